@@ -1,0 +1,129 @@
+// The seed's capstone, audited: six pre-LN transformer blocks (d 128, 4 heads)
+// on a fixed (16, 64, 128) input, loss out.pow(2).mean(), AdamW. Prints where
+// the step's memory goes: static buckets, saved activations by autograd node,
+// and the 64 T B d per-layer prediction beside the measured figure.
+//
+//   make demo               a report for people
+//   make demo ARGS=--json   one JSON document (schema trainmem/1) on stdout
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+
+#include "trainmem/accountant.h"
+#include "trainmem/meter.h"
+#include "trainmem/transformer.h"
+
+namespace {
+
+std::string commas(int64_t v) {
+  std::string s = std::to_string(v), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i != 0 && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return out;
+}
+
+int usage(const char* bad) {
+  std::fprintf(stderr, "capstone: unknown argument '%s'\nusage: capstone [--json]\n", bad);
+  return 2;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  bool json = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0) {
+      json = true;
+    } else {
+      return usage(argv[i]);
+    }
+  }
+  try {
+    torch::manual_seed(0);
+    trainmem::TransformerOptions o;  // the seed's capstone
+    trainmem::Transformer model(o);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+
+    trainmem::SavedTensorMeter meter(*model);
+    at::Tensor loss;
+    {
+      trainmem::SavedTensorMeterGuard scope(meter);
+      loss = model->forward(x).pow(2).mean();
+    }
+    loss.backward();
+    opt.step();
+
+    const auto buckets = trainmem::account(*model, opt);
+    const auto saved = meter.report();
+    const auto estimate = trainmem::estimate_activation_bytes(o);
+    const int64_t predicted = trainmem::predicted_activation_bytes(o);
+    const double ratio = static_cast<double>(saved.saved_bytes) / static_cast<double>(predicted);
+
+    if (json) {
+      nlohmann::json by_node = nlohmann::json::array();
+      for (const auto& n : saved.by_node) {
+        by_node.push_back({{"node", n.node}, {"bytes", n.bytes}, {"num_tensors", n.num_tensors}});
+      }
+      nlohmann::json terms = nlohmann::json::array();
+      for (const auto& t : estimate.terms) {
+        terms.push_back({{"name", t.name}, {"bytes", t.bytes}});
+      }
+      nlohmann::json doc = {
+          {"schema", "trainmem/1"},
+          {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()},
+                     {"num_heads", o.num_heads()}, {"batch", o.batch()}, {"seq_len", o.seq_len()}}},
+          {"params", buckets.num_params},
+          {"param_bytes", buckets.param_bytes},
+          {"grad_bytes", buckets.grad_bytes},
+          {"optimizer", buckets.optimizer},
+          {"optimizer_state_bytes", buckets.optimizer_state_bytes},
+          {"saved_activation_bytes", saved.saved_bytes},
+          {"saved_num_tensors", saved.num_tensors},
+          {"saved_num_storages", saved.num_storages},
+          {"excluded_param_bytes", saved.excluded_param_bytes},
+          {"saved_by_node", by_node},
+          {"predicted_activation_bytes", predicted},
+          {"explained_activation_bytes", estimate.total_bytes},
+          {"explained_activation_terms", terms},
+          {"measured_over_predicted", ratio},
+      };
+      std::cout << doc.dump() << "\n";
+      return 0;
+    }
+
+    std::cout << fmt::format(
+        "trainmem capstone: {} pre-LN blocks, d_model {}, {} heads, input ({}, {}, {}), fp32, AdamW\n\n",
+        o.num_layers(), o.d_model(), o.num_heads(), o.batch(), o.seq_len(), o.d_model());
+    std::cout << "static buckets (after one step)\n" << trainmem::to_string(buckets) << "\n";
+    std::cout << trainmem::to_string(trainmem::predict_static_bytes(*model, trainmem::Recipe::kFp32AdamW))
+              << "\n\n";
+    std::cout << fmt::format("saved for backward {:>16} B in {} storages ({} tensors)\n",
+                             commas(saved.saved_bytes), saved.num_storages, saved.num_tensors);
+    for (const auto& n : saved.by_node) {
+      std::cout << fmt::format("  {:<48}{:>14} B {:>5} tensors\n", n.node, commas(n.bytes),
+                               n.num_tensors);
+    }
+    std::cout << fmt::format("  parameters seen and excluded: {} B\n\n", commas(saved.excluded_param_bytes));
+    std::cout << fmt::format("predicted 64 T B d per layer {:>14} B\n", commas(predicted));
+    std::cout << fmt::format("measured / predicted         {:>14.3f}\n", ratio);
+    std::cout << "the difference, explained:\n";
+    for (const auto& t : estimate.terms) {
+      std::cout << fmt::format("  {:<56}{:>14} B\n", t.name, commas(t.bytes));
+    }
+    std::cout << fmt::format("  {:<56}{:>14} B ({})\n", "total", commas(estimate.total_bytes),
+                             estimate.total_bytes == saved.saved_bytes ? "equals the measurement"
+                                                                       : "DIFFERS from the measurement");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "capstone: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,131 @@
+#pragma once
+/// \file meter.h
+/// The saved-tensor meter: exactly what autograd keeps alive between forward
+/// and backward inside a scope, deduplicated by storage, with parameters
+/// excluded by storage, broken down by the autograd node that saved it.
+///
+/// Example:
+/// ```
+/// trainmem::SavedTensorMeter meter(*model);          // excludes model params
+/// torch::Tensor loss;
+/// {
+///   trainmem::SavedTensorMeterGuard scope(meter);
+///   loss = model->forward(x).pow(2).mean();
+/// }
+/// auto r = meter.report();
+/// std::cout << r.saved_bytes << " B saved for backward\n";
+/// for (const auto& n : r.by_node) std::cout << n.node << " " << n.bytes << "\n";
+/// loss.backward();                                     // gradients unchanged
+/// ```
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
+
+namespace trainmem {
+
+/// Saved bytes attributed to one autograd node type (e.g. `AddmmBackward0`).
+struct NodeSavedBytes {
+  std::string node;      ///< grad_fn name, or a label such as "CheckpointInputs"
+  int64_t bytes = 0;     ///< bytes of storages this node saved first, in bytes
+  int64_t num_tensors = 0; ///< tensors (not storages) it saved, params excluded
+};
+
+/// What a SavedTensorMeter counted. Plain data.
+struct SavedTensorReport {
+  /// Bytes of unique non-parameter storages saved, in bytes. A storage saved
+  /// several times (q, k, v views of one qkv buffer) counts once.
+  int64_t saved_bytes = 0;
+  /// Tensors autograd saved, parameters and repeats included.
+  int64_t num_tensors = 0;
+  /// Unique non-parameter storages saved.
+  int64_t num_storages = 0;
+  /// Bytes of unique parameter storages that were saved and excluded.
+  int64_t excluded_param_bytes = 0;
+  /// Saved tensors excluded because their storage is a parameter's.
+  int64_t num_param_tensors = 0;
+  /// Bytes by saving node, largest first; sums to saved_bytes.
+  std::vector<NodeSavedBytes> by_node;
+};
+
+namespace detail {
+struct MeterState;
+} // namespace detail
+
+/// Counts what autograd saves inside SavedTensorMeterGuard scopes. Several
+/// scopes accumulate until reset(). Thread-safe to read from any thread once
+/// no scope is active; pack runs on the thread that runs the forward.
+///
+/// The meter does not see tensors held outside autograd (your caches),
+/// temporaries, or allocator overhead: it measures what backward will need,
+/// not the peak. Its unpack is the identity: gradients are bit-identical with
+/// and without it. It works for CPU, CUDA and meta tensors (storages are keyed
+/// by identity, not by data pointer, so meta tensors dedupe too).
+class SavedTensorMeter {
+ public:
+  /// A meter that excludes nothing.
+  SavedTensorMeter();
+  /// A meter that excludes `module`'s parameters (and its buffers when
+  /// `exclude_buffers`) by storage, as they are when the meter is made.
+  explicit SavedTensorMeter(
+      const torch::nn::Module& module,
+      bool exclude_buffers = true);
+  ~SavedTensorMeter();
+
+  SavedTensorMeter(const SavedTensorMeter&) = delete;
+  SavedTensorMeter& operator=(const SavedTensorMeter&) = delete;
+
+  /// Excludes this tensor's storage from the count (a parameter living
+  /// outside any module, a frozen embedding table...).
+  void exclude(const at::Tensor& tensor);
+  /// Excludes `module`'s parameters (and buffers) as they are now; call again
+  /// after moving the module to another device.
+  void exclude(const torch::nn::Module& module, bool exclude_buffers = true);
+
+  /// What was counted so far. Throws if a scope on this meter is active.
+  SavedTensorReport report() const;
+  /// Forgets everything counted (keeps the exclusions). Throws if active.
+  void reset();
+  /// True while a SavedTensorMeterGuard on this meter is alive.
+  bool active() const;
+
+ private:
+  friend class SavedTensorMeterGuard;
+  std::shared_ptr<detail::MeterState> state_;
+};
+
+/// Meters the tensors autograd saves on this thread while alive (the meter's
+/// hooks become the innermost saved-tensor hooks, see hooks.h). Thread-local,
+/// RAII; restores the previous hooks on destruction. Only one guard per meter
+/// at a time.
+///
+/// Example:
+/// ```
+/// { trainmem::SavedTensorMeterGuard scope(meter); loss = net->forward(x).sum(); }
+/// ```
+class SavedTensorMeterGuard {
+ public:
+  explicit SavedTensorMeterGuard(SavedTensorMeter& meter);
+  ~SavedTensorMeterGuard();
+
+  SavedTensorMeterGuard(const SavedTensorMeterGuard&) = delete;
+  SavedTensorMeterGuard& operator=(const SavedTensorMeterGuard&) = delete;
+  SavedTensorMeterGuard(SavedTensorMeterGuard&&) = delete;
+  SavedTensorMeterGuard& operator=(SavedTensorMeterGuard&&) = delete;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Text table of a report: totals, then bytes by node.
+std::string to_string(const SavedTensorReport& report);
+
+} // namespace trainmem

@@ -1,0 +1,11 @@
+#pragma once
+/// \file trainmem.h
+/// Umbrella header: everything trainmem offers. Prefer the concept headers in
+/// your own code (they compile faster).
+
+#include "trainmem/accountant.h"
+#include "trainmem/hooks.h"
+#include "trainmem/meta.h"
+#include "trainmem/meter.h"
+#include "trainmem/transformer.h"
+#include "trainmem/version.h"

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Installs what `make demo` / `make test` need and is missing, then prints the
+# CMake prefix path of the LibTorch to build against. Idempotent: a second run
+# installs nothing and takes well under a second.
+#
+#   - Debian packages (only when run as root; otherwise it says what is missing)
+#   - LibTorch: Torch_DIR or CMAKE_PREFIX_PATH if they already point at one,
+#     else torch==2.13.0 from pip into the project-local venv (.venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { echo "bootstrap: $*" >&2; }
+
+packages=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev
+          libbenchmark-dev nlohmann-json3-dev libcli11-dev ccache)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+# python3-venv is only needed when python3 cannot make a venv by itself.
+if [ ${#missing[@]} -gt 0 ] && python3 -m venv --help >/dev/null 2>&1; then
+  missing=("${missing[@]/python3-venv}")
+  read -ra missing <<<"${missing[*]}"
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    log "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >&2
+    apt-get install -y -q "${missing[@]}" >&2
+  else
+    log "missing Debian packages (run as root to install): ${missing[*]}"
+  fi
+fi
+
+# A LibTorch the user already has wins.
+if [ -n "${Torch_DIR:-}" ] && [ -f "${Torch_DIR}/TorchConfig.cmake" ]; then
+  echo "${Torch_DIR}"
+  exit 0
+fi
+if [ -n "${CMAKE_PREFIX_PATH:-}" ]; then
+  IFS=: read -ra prefixes <<<"${CMAKE_PREFIX_PATH}"
+  for pre in "${prefixes[@]}"; do
+    if [ -f "$pre/Torch/TorchConfig.cmake" ] || [ -f "$pre/share/cmake/Torch/TorchConfig.cmake" ]; then
+      echo "${CMAKE_PREFIX_PATH}"
+      exit 0
+    fi
+  done
+fi
+
+venv=${TRAINMEM_VENV:-.venv}
+want=${TRAINMEM_TORCH_VERSION:-2.13.0}
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating $venv"
+  python3 -m venv "$venv" >&2
+fi
+# find_spec locates torch without importing it (an import takes seconds).
+spec='import importlib.util as u, os; s = u.find_spec("torch"); print(os.path.join(os.path.dirname(s.origin), "share", "cmake") if s else "")'
+if [ -z "$("$venv/bin/python" -c "$spec")" ]; then
+  log "installing torch==$want into $venv (LibTorch and the Python tools the tests compare with)"
+  "$venv/bin/pip" install -q "torch==$want" >&2
+fi
+"$venv/bin/python" -c "$spec"

@@ -1,0 +1,453 @@
+#include "trainmem/accountant.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <typeinfo>
+#include <unordered_set>
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+#include <fmt/format.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include "detail/storage_set.h"
+
+namespace trainmem {
+namespace {
+
+using detail::StorageSet;
+
+// Unique parameters of a module, by storage (shared parameters count once).
+struct ParamScan {
+  StorageSet params;
+  int64_t num_params = 0;
+  int64_t num_trainable = 0;
+  int64_t trainable_bytes = 0;
+  StorageSet grads;
+  std::unordered_set<const c10::TensorImpl*> impls;
+};
+
+ParamScan scan_params(const torch::nn::Module& module) {
+  ParamScan scan;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    if (!scan.impls.insert(p.unsafeGetTensorImpl()).second) {
+      continue;
+    }
+    if (!scan.params.add(p)) {
+      continue; // another parameter tensor on the same storage (tied views)
+    }
+    scan.num_params += p.numel();
+    if (p.requires_grad()) {
+      scan.num_trainable += p.numel();
+      scan.trainable_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    }
+    if (p.grad().defined()) {
+      scan.grads.add(p.grad());
+    }
+  }
+  return scan;
+}
+
+// Collects state bytes by field name, deduplicated by storage.
+class StateWalk {
+ public:
+  void add(const std::string& name, const at::Tensor& t) {
+    if (!t.defined()) {
+      return;
+    }
+    auto& entry = by_name_[name];
+    entry.name = name;
+    entry.num_tensors += 1;
+    const int64_t before = all_.bytes();
+    all_.add(t);
+    entry.bytes += all_.bytes() - before;
+  }
+  template <typename Container>
+  void add_all(const std::string& name, const Container& tensors) {
+    for (const auto& t : tensors) {
+      add(name, t);
+    }
+  }
+  // Any state class: serialize it and read every tensor back by key.
+  void add_generic(const torch::optim::OptimizerParamState& state) {
+    torch::serialize::OutputArchive out;
+    try {
+      state.serialize(out);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(
+          false, "trainmem::account: cannot read optimizer state of type ",
+          c10::demangle(typeid(state).name()),
+          ": it has no serialize() to walk (", e.what_without_backtrace(),
+          "); counting it as zero would be wrong");
+    }
+    std::stringstream buffer;
+    out.save_to(buffer);
+    torch::serialize::InputArchive in;
+    in.load_from(buffer);
+    walk_archive(in, "");
+  }
+  int64_t bytes() const {
+    return all_.bytes();
+  }
+  std::vector<StateBytes> by_name() const {
+    std::vector<StateBytes> out;
+    for (const auto& [name, entry] : by_name_) {
+      out.push_back(entry);
+    }
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      return a.bytes != b.bytes ? a.bytes > b.bytes : a.name < b.name;
+    });
+    return out;
+  }
+
+ private:
+  void walk_archive(torch::serialize::InputArchive& in, const std::string& prefix) {
+    for (const auto& key : in.keys()) {
+      at::Tensor t;
+      if (in.try_read(key, t)) {
+        add(prefix + key, t);
+        continue;
+      }
+      c10::IValue value;
+      if (in.try_read(key, value)) {
+        walk_ivalue(prefix + key, value);
+        continue;
+      }
+      torch::serialize::InputArchive nested;
+      if (in.try_read(key, nested)) {
+        walk_archive(nested, prefix + key + ".");
+      }
+    }
+  }
+  void walk_ivalue(const std::string& name, const c10::IValue& v) {
+    if (v.isTensor()) {
+      add(name, v.toTensor());
+    } else if (v.isTensorList()) {
+      add_all(name, v.toTensorVector());
+    } else if (v.isList()) {
+      for (const auto& e : v.toListRef()) {
+        walk_ivalue(name, e);
+      }
+    } else if (v.isTuple()) {
+      for (const auto& e : v.toTupleRef().elements()) {
+        walk_ivalue(name, e);
+      }
+    }
+  }
+
+  StorageSet all_;
+  std::map<std::string, StateBytes> by_name_;
+};
+
+void walk_state(StateWalk& walk, const torch::optim::OptimizerParamState& s) {
+  using namespace torch::optim;
+  if (const auto* a = dynamic_cast<const AdamParamState*>(&s)) {
+    walk.add("exp_avg", a->exp_avg());
+    walk.add("exp_avg_sq", a->exp_avg_sq());
+    walk.add("max_exp_avg_sq", a->max_exp_avg_sq());
+  } else if (const auto* w = dynamic_cast<const AdamWParamState*>(&s)) {
+    walk.add("exp_avg", w->exp_avg());
+    walk.add("exp_avg_sq", w->exp_avg_sq());
+    walk.add("max_exp_avg_sq", w->max_exp_avg_sq());
+  } else if (const auto* g = dynamic_cast<const SGDParamState*>(&s)) {
+    walk.add("momentum_buffer", g->momentum_buffer());
+  } else if (const auto* r = dynamic_cast<const RMSpropParamState*>(&s)) {
+    walk.add("square_avg", r->square_avg());
+    walk.add("momentum_buffer", r->momentum_buffer());
+    walk.add("grad_avg", r->grad_avg());
+  } else if (const auto* ag = dynamic_cast<const AdagradParamState*>(&s)) {
+    walk.add("sum", ag->sum());
+  } else if (const auto* l = dynamic_cast<const LBFGSParamState*>(&s)) {
+    walk.add("d", l->d());
+    walk.add("H_diag", l->H_diag());
+    walk.add("prev_flat_grad", l->prev_flat_grad());
+    walk.add_all("old_dirs", l->old_dirs());
+    walk.add_all("old_stps", l->old_stps());
+    walk.add_all("ro", l->ro());
+    if (l->al()) {
+      walk.add_all("al", *l->al());
+    }
+  } else {
+    walk.add_generic(s);
+  }
+}
+
+// Optimizer name and predicted state bytes from its type and per-group
+// options. `group_bytes[i]` is group i's trainable parameter bytes.
+std::pair<std::string, int64_t> predict_state(
+    const torch::optim::Optimizer& opt,
+    const std::vector<int64_t>& group_bytes) {
+  using namespace torch::optim;
+  const auto& groups = opt.param_groups();
+  auto per_group = [&](auto&& multiple) {
+    int64_t total = 0;
+    for (const auto i : c10::irange(groups.size())) {
+      total += multiple(groups[i].options()) * group_bytes[i];
+    }
+    return total;
+  };
+  if (dynamic_cast<const AdamW*>(&opt) != nullptr) {
+    return {"AdamW", per_group([](const OptimizerOptions& o) {
+              return static_cast<const AdamWOptions&>(o).amsgrad() ? 3 : 2;
+            })};
+  }
+  if (dynamic_cast<const Adam*>(&opt) != nullptr) {
+    return {"Adam", per_group([](const OptimizerOptions& o) {
+              return static_cast<const AdamOptions&>(o).amsgrad() ? 3 : 2;
+            })};
+  }
+  if (dynamic_cast<const SGD*>(&opt) != nullptr) {
+    return {"SGD", per_group([](const OptimizerOptions& o) {
+              return static_cast<const SGDOptions&>(o).momentum() != 0 ? 1 : 0;
+            })};
+  }
+  if (dynamic_cast<const RMSprop*>(&opt) != nullptr) {
+    return {"RMSprop", per_group([](const OptimizerOptions& o) {
+              const auto& r = static_cast<const RMSpropOptions&>(o);
+              return 1 + (r.momentum() > 0 ? 1 : 0) + (r.centered() ? 1 : 0);
+            })};
+  }
+  if (dynamic_cast<const Adagrad*>(&opt) != nullptr) {
+    return {"Adagrad", per_group([](const OptimizerOptions&) { return 1; })};
+  }
+  if (dynamic_cast<const LBFGS*>(&opt) != nullptr) {
+    // d, prev_flat_grad and up to history_size (old_dirs, old_stps) pairs of
+    // flat vectors; ro, al and H_diag are scalars per entry.
+    return {"LBFGS", per_group([](const OptimizerOptions& o) {
+              return 2 + 2 * static_cast<const LBFGSOptions&>(o).history_size();
+            })};
+  }
+  return {c10::demangle(typeid(opt).name()), -1};
+}
+
+std::string with_commas(int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -v : v);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i != 0 && (digits.size() - i) % 3 == 0) {
+      out += ',';
+    }
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+StaticBuckets buckets_from(const ParamScan& scan) {
+  StaticBuckets b;
+  b.num_params = scan.num_params;
+  b.num_trainable_params = scan.num_trainable;
+  b.param_bytes = scan.params.bytes();
+  b.grad_bytes = scan.grads.bytes();
+  b.predicted_grad_bytes = scan.trainable_bytes;
+  return b;
+}
+
+} // namespace
+
+StaticBuckets account(const torch::nn::Module& module) {
+  return buckets_from(scan_params(module));
+}
+
+StaticBuckets account(
+    const torch::nn::Module& module,
+    const torch::optim::Optimizer& optimizer) {
+  const auto scan = scan_params(module);
+  StaticBuckets b = buckets_from(scan);
+
+  std::vector<int64_t> group_bytes;
+  int64_t num_opt_params = 0;
+  int64_t num_foreign = 0;
+  for (const auto& group : optimizer.param_groups()) {
+    int64_t bytes = 0;
+    for (const auto& p : group.params()) {
+      ++num_opt_params;
+      if (scan.impls.count(p.unsafeGetTensorImpl()) == 0) {
+        ++num_foreign;
+      }
+      if (p.requires_grad()) {
+        bytes += p.numel() * static_cast<int64_t>(p.element_size());
+      }
+    }
+    group_bytes.push_back(bytes);
+  }
+  TORCH_CHECK(
+      num_opt_params > 0,
+      "trainmem::account: the optimizer has no parameters; build it from "
+      "module->parameters()");
+  TORCH_CHECK(
+      num_foreign == 0, "trainmem::account: ", num_foreign, " of the optimizer's ",
+      num_opt_params,
+      " parameters are not parameters of the module; account the module the "
+      "optimizer was built for");
+
+  auto [name, predicted] = predict_state(optimizer, group_bytes);
+  b.optimizer = name;
+  b.predicted_optimizer_state_bytes = predicted;
+
+  StateWalk walk;
+  for (const auto& [key, state] : optimizer.state()) {
+    if (state) {
+      walk_state(walk, *state);
+    }
+  }
+  b.optimizer_state_bytes = walk.bytes();
+  b.state_by_name = walk.by_name();
+  if (predicted < 0) {
+    // Unknown optimizer: the best prediction is what it holds now.
+    b.predicted_optimizer_state_bytes = b.optimizer_state_bytes;
+  }
+  return b;
+}
+
+std::string to_string(const StaticBuckets& b) {
+  std::string out;
+  out += fmt::format("parameters       {:>16} B  ({} elements, {} trainable)\n",
+                     with_commas(b.param_bytes), with_commas(b.num_params),
+                     with_commas(b.num_trainable_params));
+  out += fmt::format("gradients        {:>16} B  (predicted {} B)\n",
+                     with_commas(b.grad_bytes), with_commas(b.predicted_grad_bytes));
+  if (!b.optimizer.empty()) {
+    out += fmt::format("optimizer state  {:>16} B  ({}, predicted {} B)\n",
+                       with_commas(b.optimizer_state_bytes), b.optimizer,
+                       with_commas(b.predicted_optimizer_state_bytes));
+    for (const auto& s : b.state_by_name) {
+      out += fmt::format("  {:<15}{:>16} B  ({} tensors)\n", s.name,
+                         with_commas(s.bytes), s.num_tensors);
+    }
+  }
+  out += fmt::format("total            {:>16} B\n", with_commas(b.total_bytes()));
+  return out;
+}
+
+namespace {
+
+StaticFormula make_formula(Recipe recipe, int64_t n, std::vector<FormulaTerm> terms) {
+  StaticFormula f;
+  f.recipe = recipe;
+  f.num_params = n;
+  for (auto& t : terms) {
+    if (t.bytes == 0) {
+      t.bytes = static_cast<int64_t>(t.bytes_per_param * static_cast<double>(n));
+    }
+    f.total_bytes += t.bytes;
+  }
+  f.terms = std::move(terms);
+  f.bytes_per_param = n > 0 ? static_cast<double>(f.total_bytes) / static_cast<double>(n) : 0.0;
+  return f;
+}
+
+} // namespace
+
+StaticFormula predict_static_bytes(int64_t n, Recipe recipe) {
+  TORCH_CHECK(n >= 0, "predict_static_bytes: expected num_params >= 0, but got ", n);
+  switch (recipe) {
+    case Recipe::kFp32AdamW:
+      return make_formula(recipe, n, {{"parameters (fp32)", 4, 0, false},
+                                      {"gradients (fp32)", 4, 0, false},
+                                      {"AdamW exp_avg (fp32)", 4, 0, true},
+                                      {"AdamW exp_avg_sq (fp32)", 4, 0, true}});
+    case Recipe::kMixedAdamW:
+      return make_formula(recipe, n, {{"parameters (bf16)", 2, 0, false},
+                                      {"gradients (bf16)", 2, 0, false},
+                                      {"master weights (fp32)", 4, 0, true},
+                                      {"AdamW exp_avg (fp32)", 4, 0, true},
+                                      {"AdamW exp_avg_sq (fp32)", 4, 0, true}});
+    case Recipe::kPureBf16AdamW:
+      return make_formula(recipe, n, {{"parameters (bf16)", 2, 0, false},
+                                      {"gradients (bf16)", 2, 0, false},
+                                      {"AdamW exp_avg (fp32)", 4, 0, true},
+                                      {"AdamW exp_avg_sq (fp32)", 4, 0, true}});
+    case Recipe::kFp32SGD:
+      return make_formula(recipe, n, {{"parameters (fp32)", 4, 0, false},
+                                      {"gradients (fp32)", 4, 0, false}});
+    case Recipe::kFp32SGDMomentum:
+      return make_formula(recipe, n, {{"parameters (fp32)", 4, 0, false},
+                                      {"gradients (fp32)", 4, 0, false},
+                                      {"SGD momentum_buffer (fp32)", 4, 0, true}});
+    case Recipe::kFp32Adafactor:
+      TORCH_CHECK(false, "predict_static_bytes: Adafactor's state depends on the "
+                         "parameter shapes; pass the module instead of a count");
+  }
+  TORCH_CHECK(false, "predict_static_bytes: unknown recipe ", static_cast<int>(recipe));
+}
+
+StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recipe) {
+  auto scan = scan_params(module);
+  if (recipe != Recipe::kFp32Adafactor) {
+    auto f = predict_static_bytes(scan.num_trainable, recipe);
+    const int64_t frozen = scan.num_params - scan.num_trainable;
+    if (frozen > 0) {
+      // Frozen parameters: stored, but no gradient and no optimizer state.
+      const double param_bpp = f.terms.front().bytes_per_param;
+      f.terms.insert(f.terms.begin() + 1,
+                     FormulaTerm{"frozen parameters", param_bpp,
+                                 static_cast<int64_t>(param_bpp * static_cast<double>(frozen)), false});
+      f.total_bytes += f.terms[1].bytes;
+      f.num_params = scan.num_params;
+      f.bytes_per_param = static_cast<double>(f.total_bytes) / static_cast<double>(f.num_params);
+    }
+    return f;
+  }
+  // Adafactor (Shazeer & Stern 2018, as torch.optim.Adafactor keeps it):
+  // a matrix (..., r, c) keeps row_var (..., r, 1) and col_var (..., 1, c);
+  // a vector keeps a full variance.
+  int64_t factored = 0;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) {
+      continue;
+    }
+    if (p.numel() == 0) {
+      continue;
+    }
+    if (p.dim() >= 2) {
+      const int64_t lead = p.numel() / (p.size(-1) * p.size(-2));
+      factored += lead * (p.size(-1) + p.size(-2));
+    } else {
+      factored += p.numel();
+    }
+  }
+  const int64_t n = scan.num_params;
+  auto f = make_formula(recipe, n,
+                        {{"parameters (fp32)", 4, 0, false},
+                         {"gradients (fp32)", 0, 4 * scan.num_trainable, false},
+                         {"Adafactor row_var + col_var (fp32)", 0, 4 * factored, true}});
+  for (auto& t : f.terms) {
+    t.bytes_per_param = n > 0 ? static_cast<double>(t.bytes) / static_cast<double>(n) : 0.0;
+  }
+  return f;
+}
+
+std::string to_string(Recipe recipe) {
+  switch (recipe) {
+    case Recipe::kFp32AdamW: return "fp32 AdamW";
+    case Recipe::kMixedAdamW: return "mixed-precision AdamW";
+    case Recipe::kPureBf16AdamW: return "pure bf16 AdamW";
+    case Recipe::kFp32SGD: return "fp32 SGD";
+    case Recipe::kFp32SGDMomentum: return "fp32 SGD with momentum";
+    case Recipe::kFp32Adafactor: return "fp32 Adafactor";
+  }
+  return "unknown recipe";
+}
+
+std::string to_string(const StaticFormula& f) {
+  std::string terms;
+  for (const auto& t : f.terms) {
+    terms += fmt::format("{}{:g} {}", terms.empty() ? "" : " + ", t.bytes_per_param, t.name);
+  }
+  return fmt::format("{}: P = {} x ({}) = {} B ({:g} B/param)", to_string(f.recipe),
+                     with_commas(f.num_params), terms, with_commas(f.total_bytes),
+                     f.bytes_per_param);
+}
+
+} // namespace trainmem

@@ -1,0 +1,230 @@
+#include "trainmem/hooks.h"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <unordered_set>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+#include "detail/thread_id.h"
+
+// Note [Saved-tensor hooks]
+// SavedVariable's constructor asks Engine::get_default_engine() for default
+// hooks whenever at::SavedTensorDefaultHooks::is_enabled(). The base engine
+// answers nullptr; PyTorch's PythonEngine answers with the Python stack. We
+// install a subclass of the base engine through set_default_engine_stub() that
+// answers with the innermost frame of a thread-local stack. The stub is read on
+// every get_default_engine() call, so installing it at library load is enough;
+// the engine is leaked on purpose (never destroyed at exit, so its worker
+// threads never race a destructor). The frames hold shared_ptrs: each packed
+// tensor keeps its hooks object alive, which is what lets unpack run after the
+// guard is gone and on the engine's worker threads.
+
+namespace trainmem {
+namespace {
+
+struct Frame {
+  uint64_t id;
+  std::shared_ptr<SavedTensorHooks> hooks; // null for a disable frame
+  std::string disabled_message;            // set only for a disable frame
+};
+
+thread_local std::vector<Frame> tls_frames;
+
+// Guards destroyed on a thread other than the one that created them cannot
+// reach the owner's thread-local stack; they leave their id here and the owner
+// drops the frame the next time it looks at its stack.
+std::mutex orphan_mutex;
+std::unordered_set<uint64_t> orphan_ids;
+std::atomic<int64_t> num_orphans{0};
+
+std::atomic<uint64_t> next_frame_id{1};
+
+void drop_orphans() {
+  if (num_orphans.load(std::memory_order_relaxed) == 0) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(orphan_mutex);
+  auto& frames = tls_frames;
+  auto is_orphan = [](const Frame& f) { return orphan_ids.erase(f.id) > 0; };
+  auto removed = std::remove_if(frames.begin(), frames.end(), is_orphan);
+  num_orphans.fetch_sub(frames.end() - removed);
+  frames.erase(removed, frames.end());
+}
+
+class HooksAdapter final : public torch::autograd::SavedVariableHooks {
+ public:
+  explicit HooksAdapter(std::shared_ptr<SavedTensorHooks> hooks)
+      : hooks_(std::move(hooks)) {}
+  void call_pack_hook(const at::Tensor& tensor) override {
+    packed_ = hooks_->pack(tensor);
+  }
+  at::Tensor call_unpack_hook() override {
+    return hooks_->unpack(packed_);
+  }
+
+ private:
+  std::shared_ptr<SavedTensorHooks> hooks_;
+  std::any packed_;
+};
+
+class HooksEngine final : public torch::autograd::Engine {
+ public:
+  std::unique_ptr<torch::autograd::SavedVariableHooks>
+  get_default_saved_variable_hooks() override {
+    if (tls_frames.empty()) {
+      return nullptr;
+    }
+    drop_orphans();
+    if (tls_frames.empty() || !tls_frames.back().hooks) {
+      return nullptr;
+    }
+    return std::make_unique<HooksAdapter>(tls_frames.back().hooks);
+  }
+};
+
+HooksEngine* hooks_engine() {
+  static auto* engine = new HooksEngine();
+  return engine;
+}
+
+torch::autograd::Engine& get_hooks_engine() {
+  return *hooks_engine();
+}
+
+void install_engine() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    torch::autograd::set_default_engine_stub(&get_hooks_engine);
+  });
+}
+
+// Installed when the library loads, before any backward can run in a program
+// that links it; the guards install it again (idempotently) in case a static
+// link dropped this translation unit's initializer.
+const bool engine_installed_at_load = (install_engine(), true);
+
+class LambdaHooks final : public SavedTensorHooks {
+ public:
+  LambdaHooks(PackHook pack, UnpackHook unpack)
+      : pack_(std::move(pack)), unpack_(std::move(unpack)) {}
+  std::any pack(const at::Tensor& tensor) override {
+    return pack_(tensor);
+  }
+  at::Tensor unpack(const std::any& packed) override {
+    return unpack_(packed);
+  }
+
+ private:
+  PackHook pack_;
+  UnpackHook unpack_;
+};
+
+void check_engine() {
+  install_engine();
+  TORCH_CHECK(
+      saved_tensor_hooks_available(),
+      "trainmem saved-tensor hooks are unavailable: the default autograd engine "
+      "was replaced after trainmem installed its own (does this process import "
+      "torch's Python module?)");
+}
+
+uint64_t push_frame(Frame frame) {
+  check_engine();
+  drop_orphans();
+  for (const auto& f : tls_frames) {
+    TORCH_CHECK(
+        f.hooks || frame.hooks == nullptr,
+        f.disabled_message.empty()
+            ? std::string(
+                  "Saved-tensor hooks are disabled here by a "
+                  "DisableSavedTensorHooksGuard; cannot install new hooks")
+            : f.disabled_message);
+  }
+  frame.id = next_frame_id.fetch_add(1);
+  tls_frames.push_back(std::move(frame));
+  return tls_frames.back().id;
+}
+
+// Never throws: it runs from destructors.
+void pop_frame(uint64_t id, uint64_t owner_thread, const char* guard) noexcept {
+  try {
+    if (owner_thread != detail::this_thread_id()) {
+      TORCH_WARN(
+          guard, " destroyed on thread ", detail::this_thread_id(),
+          " but created on thread ", owner_thread,
+          "; its hooks are removed from the creating thread the next time it "
+          "saves a tensor. Destroy guards on the thread that made them.");
+      std::lock_guard<std::mutex> lock(orphan_mutex);
+      orphan_ids.insert(id);
+      num_orphans.fetch_add(1);
+      return;
+    }
+    auto& frames = tls_frames;
+    if (!frames.empty() && frames.back().id == id) {
+      frames.pop_back();
+      return;
+    }
+    auto it = std::find_if(frames.begin(), frames.end(), [id](const Frame& f) {
+      return f.id == id;
+    });
+    if (it != frames.end()) {
+      TORCH_WARN(
+          guard,
+          " destroyed out of order (an inner guard is still alive); removing "
+          "it anyway");
+      frames.erase(it);
+    }
+  } catch (...) {
+    // Nothing may escape a destructor; losing a warning is acceptable.
+  }
+}
+
+} // namespace
+
+SavedTensorHooksGuard::SavedTensorHooksGuard(
+    std::shared_ptr<SavedTensorHooks> hooks)
+    : id_(0), thread_(detail::this_thread_id()) {
+  TORCH_CHECK(hooks != nullptr, "SavedTensorHooksGuard: hooks must not be null");
+  id_ = push_frame(Frame{0, std::move(hooks), {}});
+}
+
+SavedTensorHooksGuard::SavedTensorHooksGuard(PackHook pack, UnpackHook unpack)
+    : id_(0), thread_(detail::this_thread_id()) {
+  TORCH_CHECK(
+      static_cast<bool>(pack), "SavedTensorHooksGuard: pack hook is empty");
+  TORCH_CHECK(
+      static_cast<bool>(unpack), "SavedTensorHooksGuard: unpack hook is empty");
+  id_ = push_frame(Frame{
+      0, std::make_shared<LambdaHooks>(std::move(pack), std::move(unpack)), {}});
+}
+
+SavedTensorHooksGuard::~SavedTensorHooksGuard() {
+  pop_frame(id_, thread_, "SavedTensorHooksGuard");
+}
+
+DisableSavedTensorHooksGuard::DisableSavedTensorHooksGuard(
+    std::string error_message)
+    : id_(0), thread_(detail::this_thread_id()) {
+  id_ = push_frame(Frame{0, nullptr, std::move(error_message)});
+}
+
+DisableSavedTensorHooksGuard::~DisableSavedTensorHooksGuard() {
+  pop_frame(id_, thread_, "DisableSavedTensorHooksGuard");
+}
+
+bool saved_tensor_hooks_available() {
+  install_engine();
+  return &torch::autograd::Engine::get_default_engine() == hooks_engine();
+}
+
+int64_t num_active_saved_tensor_hooks() {
+  drop_orphans();
+  return static_cast<int64_t>(tls_frames.size());
+}
+
+} // namespace trainmem

@@ -1,0 +1,365 @@
+#include "trainmem/meter.h"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+#include <ATen/record_function.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include "detail/attribution.h"
+#include "trainmem/hooks.h"
+
+// Note [Attributing saved tensors to autograd nodes]
+// A pack hook receives only the tensor: not the node being built. The node
+// exists once the op that saves returns: its outputs carry it as grad_fn. So
+// the meter queues each pack as "pending" and, while a scope is active on the
+// thread, a thread-local RecordFunction callback (which sees outputs) hands the
+// pending bytes to the first output's grad_fn name when the innermost ATen op
+// ends. Saves made outside any op (custom autograd Functions, whose
+// save_for_backward runs after the function's forward) are attributed at once
+// to the label a trainmem feature set with detail::SaveLabelGuard, or to
+// "CppFunction" otherwise.
+
+namespace trainmem {
+namespace detail {
+
+namespace {
+using StorageKey = const c10::StorageImpl*;
+using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+
+thread_local const char* tls_save_label = nullptr;
+thread_local int64_t tls_op_depth = 0;
+} // namespace
+
+struct MeterState {
+  std::mutex mutex;
+  // Weak references pin the StorageImpl objects (not their data), so an
+  // address is never reused for another storage while it is a key here.
+  std::unordered_map<StorageKey, WeakStorage> excluded;
+  std::unordered_map<StorageKey, WeakStorage> seen;
+  std::unordered_map<StorageKey, WeakStorage> excluded_seen;
+  SavedTensorReport totals;
+  std::unordered_map<std::string, NodeSavedBytes> by_node;
+  // Packs whose node is not known yet, tagged with the op depth they were
+  // made at. Deeper ops end first, so an op's own packs are at the tail.
+  struct Pending {
+    int64_t depth;
+    int64_t bytes;
+  };
+  std::vector<Pending> pending;
+  std::atomic<bool> active{false};
+
+  void exclude(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) {
+      return;
+    }
+    const auto& storage = t.storage();
+    std::lock_guard<std::mutex> lock(mutex);
+    excluded.emplace(
+        storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
+  }
+
+  void attribute(const std::string& node, int64_t bytes, int64_t tensors) {
+    auto& entry = by_node[node];
+    if (entry.node.empty()) {
+      entry.node = node;
+    }
+    entry.bytes += bytes;
+    entry.num_tensors += tensors;
+  }
+
+  // Counts one tensor saved for backward (or held for it, with a label).
+  void record(const at::Tensor& t, const char* label, int64_t depth) {
+    if (!t.defined()) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    totals.num_tensors += 1;
+    int64_t new_bytes = 0;
+    if (t.has_storage()) {
+      const auto& storage = t.storage();
+      StorageKey key = storage.unsafeGetStorageImpl();
+      if (excluded.count(key) != 0) {
+        totals.num_param_tensors += 1;
+        if (excluded_seen.emplace(key, storage.getWeakStorageImpl()).second) {
+          totals.excluded_param_bytes += static_cast<int64_t>(storage.nbytes());
+        }
+        return;
+      }
+      if (seen.emplace(key, storage.getWeakStorageImpl()).second) {
+        new_bytes = static_cast<int64_t>(storage.nbytes());
+        totals.num_storages += 1;
+      }
+    } else {
+      // Sparse and other storage-less layouts: count the logical size.
+      new_bytes = t.numel() * static_cast<int64_t>(t.element_size());
+      totals.num_storages += 1;
+    }
+    totals.saved_bytes += new_bytes;
+    if (label != nullptr) {
+      attribute(label, new_bytes, 1);
+    } else {
+      pending.push_back({depth, new_bytes});
+    }
+  }
+
+  // True when packs made at op depth >= `depth` await a node name.
+  bool has_pending(int64_t depth) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return !pending.empty() && pending.back().depth >= depth;
+  }
+
+  // Attributes the packs made at op depth >= `depth` to `node`.
+  void flush_pending(const std::string& node, int64_t depth) {
+    std::lock_guard<std::mutex> lock(mutex);
+    int64_t bytes = 0, tensors = 0;
+    while (!pending.empty() && pending.back().depth >= depth) {
+      bytes += pending.back().bytes;
+      tensors += 1;
+      pending.pop_back();
+    }
+    if (tensors != 0) {
+      attribute(node, bytes, tensors);
+    }
+  }
+};
+
+namespace {
+
+thread_local std::vector<MeterState*> tls_meters;
+thread_local std::optional<at::CallbackHandle> tls_callback;
+
+std::string node_name(const at::RecordFunction& fn) {
+  for (const auto& out : fn.outputs()) {
+    if (out.isTensor()) {
+      const auto& t = out.toTensor();
+      if (t.defined() && t.grad_fn()) {
+        return t.grad_fn()->name();
+      }
+    } else if (out.isTensorList()) {
+      for (const at::Tensor& t : out.toTensorVector()) {
+        if (t.defined() && t.grad_fn()) {
+          return t.grad_fn()->name();
+        }
+      }
+    }
+  }
+  return fn.name();
+}
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction&) {
+  ++tls_op_depth;
+  return nullptr;
+}
+
+// The packs made while this op was the innermost one running (its autograd
+// kernel saves inputs before it redispatches and outputs after; the ops its
+// kernels call run one level deeper and end first).
+void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  const int64_t depth = tls_op_depth--;
+  try {
+    for (auto* meter : tls_meters) {
+      if (meter->has_pending(depth)) {
+        meter->flush_pending(node_name(fn), depth);
+      }
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem meter: could not attribute saved tensors: ", e.what());
+  }
+}
+
+class MeterHooks final : public SavedTensorHooks {
+ public:
+  explicit MeterHooks(std::shared_ptr<MeterState> state)
+      : state_(std::move(state)) {}
+
+  struct Packed {
+    at::Tensor tensor;
+    int64_t version;
+  };
+
+  std::any pack(const at::Tensor& tensor) override {
+    try {
+      const char* label = tls_op_depth == 0
+          ? (tls_save_label != nullptr ? tls_save_label : "CppFunction")
+          : nullptr;
+      state_->record(tensor, label, tls_op_depth);
+    } catch (const std::exception& e) {
+      TORCH_WARN("trainmem meter: a saved tensor was not counted: ", e.what());
+    }
+    // tensor_data() drops the autograd metadata (no reference cycle through a
+    // saved output) and shares the version counter, so unpack can still catch
+    // in-place modification, which autograd stops checking once hooks are set.
+    return Packed{tensor.tensor_data(), tensor._version()};
+  }
+
+  at::Tensor unpack(const std::any& packed) override {
+    const auto& p = std::any_cast<const Packed&>(packed);
+    TORCH_CHECK(
+        p.tensor._version() == p.version,
+        "one of the variables needed for gradient computation has been "
+        "modified by an inplace operation: [",
+        p.tensor.toString(), " ", p.tensor.sizes(), "] is at version ",
+        p.tensor._version(), "; expected version ", p.version, " instead.");
+    return p.tensor;
+  }
+
+ private:
+  std::shared_ptr<MeterState> state_;
+};
+
+void exclude_module(MeterState& state, const torch::nn::Module& module, bool buffers) {
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    state.exclude(p);
+  }
+  if (buffers) {
+    for (const auto& b : module.buffers(/*recurse=*/true)) {
+      state.exclude(b);
+    }
+  }
+}
+
+} // namespace
+
+SaveLabelGuard::SaveLabelGuard(const char* label) : previous_(tls_save_label) {
+  tls_save_label = label;
+}
+
+SaveLabelGuard::~SaveLabelGuard() {
+  tls_save_label = previous_;
+}
+
+void record_held_tensor(const char* label, const at::Tensor& tensor) noexcept {
+  try {
+    for (auto* meter : tls_meters) {
+      meter->record(tensor, label, tls_op_depth);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem meter: a held tensor was not counted: ", e.what());
+  }
+}
+
+} // namespace detail
+
+SavedTensorMeter::SavedTensorMeter()
+    : state_(std::make_shared<detail::MeterState>()) {}
+
+SavedTensorMeter::SavedTensorMeter(
+    const torch::nn::Module& module,
+    bool exclude_buffers)
+    : SavedTensorMeter() {
+  detail::exclude_module(*state_, module, exclude_buffers);
+}
+
+SavedTensorMeter::~SavedTensorMeter() = default;
+
+void SavedTensorMeter::exclude(const at::Tensor& tensor) {
+  state_->exclude(tensor);
+}
+
+void SavedTensorMeter::exclude(const torch::nn::Module& module, bool exclude_buffers) {
+  detail::exclude_module(*state_, module, exclude_buffers);
+}
+
+SavedTensorReport SavedTensorMeter::report() const {
+  TORCH_CHECK(
+      !state_->active.load(),
+      "SavedTensorMeter::report() called while a SavedTensorMeterGuard on this "
+      "meter is active; read the meter after the guard's scope ends");
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  SavedTensorReport r = state_->totals;
+  r.by_node.clear();
+  for (const auto& [name, entry] : state_->by_node) {
+    r.by_node.push_back(entry);
+  }
+  std::sort(r.by_node.begin(), r.by_node.end(), [](const auto& a, const auto& b) {
+    return a.bytes != b.bytes ? a.bytes > b.bytes : a.node < b.node;
+  });
+  return r;
+}
+
+void SavedTensorMeter::reset() {
+  TORCH_CHECK(
+      !state_->active.load(),
+      "SavedTensorMeter::reset() called while a SavedTensorMeterGuard on this "
+      "meter is active");
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->seen.clear();
+  state_->excluded_seen.clear();
+  state_->totals = SavedTensorReport{};
+  state_->by_node.clear();
+  state_->pending.clear();
+}
+
+bool SavedTensorMeter::active() const {
+  return state_->active.load();
+}
+
+struct SavedTensorMeterGuard::Impl {
+  std::shared_ptr<detail::MeterState> state;
+  std::optional<SavedTensorHooksGuard> hooks;
+};
+
+SavedTensorMeterGuard::SavedTensorMeterGuard(SavedTensorMeter& meter)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->state = meter.state_;
+  TORCH_CHECK(
+      !impl_->state->active.exchange(true),
+      "SavedTensorMeterGuard: this meter already has an active scope; use one "
+      "guard per meter at a time");
+  try {
+    impl_->hooks.emplace(std::make_shared<detail::MeterHooks>(impl_->state));
+    if (detail::tls_meters.empty()) {
+      detail::tls_callback = at::addThreadLocalCallback(
+          at::RecordFunctionCallback(&detail::on_op_start, &detail::on_op_end)
+              .needsOutputs(true)
+              .scopes({at::RecordScope::FUNCTION}));
+    }
+    detail::tls_meters.push_back(impl_->state.get());
+  } catch (...) {
+    impl_->hooks.reset();
+    impl_->state->active.store(false);
+    throw;
+  }
+}
+
+SavedTensorMeterGuard::~SavedTensorMeterGuard() {
+  try {
+    auto& meters = detail::tls_meters;
+    meters.erase(
+        std::remove(meters.begin(), meters.end(), impl_->state.get()),
+        meters.end());
+    if (meters.empty() && detail::tls_callback) {
+      at::removeCallback(*detail::tls_callback);
+      detail::tls_callback.reset();
+    }
+    impl_->state->flush_pending("(unattributed)", 0);
+  } catch (...) {
+    // Never throw from a destructor.
+  }
+  impl_->hooks.reset();
+  impl_->state->active.store(false);
+}
+
+std::string to_string(const SavedTensorReport& r) {
+  std::string out = fmt::format(
+      "saved for backward: {} B in {} storages ({} tensors); parameters "
+      "excluded: {} B ({} tensors)\n",
+      r.saved_bytes, r.num_storages, r.num_tensors, r.excluded_param_bytes,
+      r.num_param_tensors);
+  for (const auto& n : r.by_node) {
+    out += fmt::format(
+        "  {:<44} {:>14} B {:>6} tensors\n", n.node, n.bytes, n.num_tensors);
+  }
+  return out;
+}
+
+} // namespace trainmem

@@ -1,0 +1,73 @@
+// The seed's capstone (six pre-LN blocks, d 128, 4 heads, input (16, 64, 128),
+// loss out.pow(2).mean(), AdamW): static buckets and saved activations, exact.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include "trainmem/accountant.h"
+#include "trainmem/meter.h"
+#include "trainmem/transformer.h"
+
+namespace {
+
+int64_t node_bytes(const trainmem::SavedTensorReport& r, const std::string& node) {
+  for (const auto& n : r.by_node) {
+    if (n.node == node) return n.bytes;
+  }
+  return -1;
+}
+
+TEST(CapstoneTest, StaticBucketsMatchTheFormula) {
+  torch::manual_seed(0);
+  trainmem::TransformerOptions o;
+  trainmem::Transformer model(o);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  const int64_t P = trainmem::transformer_num_params(o);
+  EXPECT_EQ(P, 1189632);  // L (12 d^2 + 13 d)
+
+  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  model->forward(x).pow(2).mean().backward();
+  opt.step();
+  const auto b = trainmem::account(*model, opt);
+  EXPECT_EQ(b.num_params, P);
+  EXPECT_EQ(b.param_bytes, 4758528);
+  EXPECT_EQ(b.grad_bytes, 4758528);
+  EXPECT_EQ(b.optimizer_state_bytes, 2 * b.param_bytes);
+}
+
+TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
+  torch::manual_seed(0);
+  trainmem::TransformerOptions o;
+  trainmem::Transformer model(o);
+  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+
+  trainmem::SavedTensorMeter meter(*model);
+  at::Tensor loss;
+  {
+    trainmem::SavedTensorMeterGuard scope(meter);
+    loss = model->forward(x).pow(2).mean();
+  }
+  const auto r = meter.report();
+  const auto estimate = trainmem::estimate_activation_bytes(o);
+  const int64_t predicted = trainmem::predicted_activation_bytes(o);
+  EXPECT_EQ(predicted, 50331648);
+  EXPECT_EQ(estimate.total_bytes, 51052544);
+  EXPECT_EQ(r.saved_bytes, estimate.total_bytes) << trainmem::to_string(r);
+  // measured / predicted = 1.014, as the seed's Python run printed.
+  const double ratio = static_cast<double>(r.saved_bytes) / static_cast<double>(predicted);
+  EXPECT_NEAR(ratio, 1.014, 0.0005) << r.saved_bytes << " / " << predicted;
+
+  // Where the bytes are, node by node (unit: one (B, T, d) fp32 tensor).
+  const int64_t L = o.num_layers(), unit = 4 * o.batch() * o.seq_len() * o.d_model();
+  const int64_t stats = 4 * o.batch() * o.seq_len();  // one (B, T, 1) tensor
+  EXPECT_EQ(node_bytes(r, "NativeLayerNormBackward0"), L * (2 * unit + 4 * stats));
+  // (B, T, d) Linears run as mm on the flattened input plus a bias add.
+  EXPECT_EQ(node_bytes(r, "MmBackward0"), L * 6 * unit);
+  EXPECT_EQ(node_bytes(r, "GeluBackward0"), L * 4 * unit);
+  EXPECT_EQ(node_bytes(r, "ScaledDotProductFlashAttentionForCpuBackward0"),
+            L * (4 * unit + 4 * o.batch() * o.num_heads() * o.seq_len()));
+  EXPECT_EQ(node_bytes(r, "PowBackward0"), unit);
+  loss.backward();
+}
+
+} // namespace
