@@ -4,6 +4,7 @@
 /// your own code (they compile faster).
 
 #include "trainmem/accountant.h"
+#include "trainmem/checkpoint.h"
 #include "trainmem/hooks.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
