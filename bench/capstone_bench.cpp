@@ -1,47 +1,65 @@
-// The capstone's training step (forward, backward, AdamW step) with and
-// without trainmem's instruments. Reported as ratios in docs/benchmarks.md;
-// never asserted in tests.
+// The capstone's training step (forward, backward, AdamW step) plain, metered,
+// and under each checkpointing variant. Reported as ratios to the plain step
+// in docs/benchmarks.md; never asserted in tests.
 #include <benchmark/benchmark.h>
 
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
 #include "trainmem/meter.h"
+#include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 
 namespace {
 
 struct Capstone {
+  Capstone() { torch::manual_seed(0); }
   trainmem::TransformerOptions options;
   trainmem::Transformer model{options};
   torch::optim::AdamW opt{model->parameters(), torch::optim::AdamWOptions(1e-3)};
   at::Tensor x = torch::randn({options.batch(), options.seq_len(), options.d_model()});
-};
 
-void BM_CapstoneStep(benchmark::State& state) {
-  torch::manual_seed(0);
-  Capstone c;
-  for (auto _ : state) {
-    c.opt.zero_grad();
-    c.model->forward(c.x).pow(2).mean().backward();
-    c.opt.step();
-  }
-}
-BENCHMARK(BM_CapstoneStep)->Unit(benchmark::kMillisecond)->MinTime(2.0);
-
-void BM_CapstoneStepMetered(benchmark::State& state) {
-  torch::manual_seed(0);
-  Capstone c;
-  trainmem::SavedTensorMeter meter(*c.model);
-  for (auto _ : state) {
-    c.opt.zero_grad();
+  void step(const trainmem::BlockCheckpointing& plan, trainmem::SavedTensorMeter* meter) {
+    opt.zero_grad();
     at::Tensor loss;
-    {
-      trainmem::SavedTensorMeterGuard scope(meter);
-      loss = c.model->forward(c.x).pow(2).mean();
+    if (meter != nullptr) {
+      trainmem::SavedTensorMeterGuard scope(*meter);
+      loss = model->forward(x, plan).pow(2).mean();
+    } else {
+      loss = model->forward(x, plan).pow(2).mean();
     }
     loss.backward();
-    c.opt.step();
+    opt.step();
+  }
+};
+
+trainmem::BlockCheckpointing variant(int64_t i, int64_t L) {
+  switch (i) {
+    case 1: return trainmem::BlockCheckpointing::full(L);
+    case 2: return trainmem::BlockCheckpointing::every(L, 2);
+    case 3: return trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy());
+    default: return trainmem::BlockCheckpointing::none(L);
+  }
+}
+
+// Arg: 0 none (the plain step), 1 full, 2 every_2, 3 selective (save matmuls).
+void BM_CapstoneStep(benchmark::State& state) {
+  Capstone c;
+  const auto plan = variant(state.range(0), c.options.num_layers());
+  state.SetLabel(plan.name);
+  for (auto _ : state) {
+    c.step(plan, nullptr);
+  }
+}
+BENCHMARK(BM_CapstoneStep)->DenseRange(0, 3)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
+void BM_CapstoneStepMetered(benchmark::State& state) {
+  Capstone c;
+  const auto plan = variant(0, c.options.num_layers());
+  trainmem::SavedTensorMeter meter(*c.model);
+  state.SetLabel("none, metered");
+  for (auto _ : state) {
+    c.step(plan, &meter);
     meter.reset();
   }
 }

@@ -498,7 +498,9 @@ std::vector<at::Tensor> checkpoint_reentrant(
 
 } // namespace
 
-std::vector<at::Tensor> checkpoint(
+namespace detail {
+
+std::vector<at::Tensor> checkpoint_impl(
     const CheckpointFunction& fn,
     const std::vector<at::Tensor>& inputs,
     const CheckpointOptions& options) {
@@ -507,16 +509,7 @@ std::vector<at::Tensor> checkpoint(
                                  : checkpoint_non_reentrant(fn, inputs, options);
 }
 
-at::Tensor checkpoint(
-    const std::function<at::Tensor(const at::Tensor&)>& fn,
-    const at::Tensor& input,
-    const CheckpointOptions& options) {
-  TORCH_CHECK(static_cast<bool>(fn), "trainmem::checkpoint: the function is empty");
-  auto outputs = checkpoint(
-      [fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
-      std::vector<at::Tensor>{input}, options);
-  return outputs[0];
-}
+} // namespace detail
 
 at::Tensor checkpoint_sequential(
     const torch::nn::Sequential& sequential,
@@ -542,7 +535,7 @@ at::Tensor checkpoint_sequential(
   at::Tensor x = input;
   int64_t begin = 0;
   for (int64_t s = 0; s + 1 < segments; ++s, begin += size) {
-    x = checkpoint(std::function<at::Tensor(const at::Tensor&)>(run(begin, begin + size)), x, options);
+    x = checkpoint(run(begin, begin + size), x, options);
   }
   return run(begin, n)(x);
 }

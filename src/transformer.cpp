@@ -1,6 +1,10 @@
 #include "trainmem/transformer.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/abs.h>
+#include <ATen/ops/max.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/mean.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/Exception.h>
@@ -64,6 +68,57 @@ torch::Tensor TransformerImpl::forward(torch::Tensor x) {
   return x;
 }
 
+torch::Tensor TransformerImpl::forward(torch::Tensor x, const BlockCheckpointing& plan) {
+  TORCH_CHECK(static_cast<int64_t>(plan.blocks.size()) == options.num_layers(),
+              "Transformer::forward: the checkpoint plan '", plan.name, "' has ",
+              plan.blocks.size(), " blocks, but the model has ", options.num_layers());
+  for (int64_t i = 0; i < options.num_layers(); ++i) {
+    auto b = block(i);
+    x = plan.blocks[i] ? checkpoint(b, x, plan.options) : b->forward(x);
+  }
+  return x;
+}
+
+BlockCheckpointing BlockCheckpointing::none(int64_t n) {
+  return chosen(n, {});
+}
+
+BlockCheckpointing BlockCheckpointing::full(int64_t n) {
+  auto p = every(n, 1);
+  p.name = "full";
+  return p;
+}
+
+BlockCheckpointing BlockCheckpointing::every(int64_t n, int64_t k) {
+  TORCH_CHECK(k >= 1, "BlockCheckpointing::every: expected k >= 1, but got ", k);
+  std::vector<int64_t> which;
+  for (int64_t i = 0; i < n; i += k) {
+    which.push_back(i);
+  }
+  auto p = chosen(n, which);
+  p.name = "every_" + std::to_string(k);
+  return p;
+}
+
+BlockCheckpointing BlockCheckpointing::selective(int64_t n, SelectivePolicy policy) {
+  auto p = full(n);
+  p.options.context_fn(create_selective_checkpoint_contexts(std::move(policy)));
+  p.name = "selective";
+  return p;
+}
+
+BlockCheckpointing BlockCheckpointing::chosen(int64_t n, const std::vector<int64_t>& which) {
+  TORCH_CHECK(n >= 1, "BlockCheckpointing: expected num_layers >= 1, but got ", n);
+  BlockCheckpointing p;
+  p.blocks.assign(n, false);
+  for (auto i : which) {
+    TORCH_CHECK(i >= 0 && i < n, "BlockCheckpointing: block ", i, " is out of range [0, ", n, ")");
+    p.blocks[i] = true;
+  }
+  p.name = which.empty() ? "none" : "chosen";
+  return p;
+}
+
 TransformerBlock TransformerImpl::block(int64_t i) const {
   TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(blocks->size()),
               "Transformer::block: expected 0 <= i < ", blocks->size(), ", but got ", i);
@@ -95,6 +150,44 @@ ActivationEstimate estimate_activation_bytes(const TransformerOptions& o) {
     e.total_bytes += t.bytes;
   }
   return e;
+}
+
+VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheckpointing& plan) {
+  VariantRun run;
+  run.name = plan.name;
+  for (auto& p : model->parameters()) {
+    p.mutable_grad().reset();  // compare this step's gradients alone
+  }
+  SavedTensorMeter meter(*model);
+  at::Tensor loss;
+  {
+    SavedTensorMeterGuard scope(meter);
+    loss = model->forward(x, plan).pow(2).mean();
+  }
+  run.saved = meter.report();
+  loss.backward();
+  for (auto& p : model->parameters()) {
+    run.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    p.mutable_grad().reset();
+  }
+  return run;
+}
+
+double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  TORCH_CHECK(a.size() == b.size(), "max_abs_diff: expected lists of the same length, but got ",
+              a.size(), " and ", b.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK(a[i].defined() == b[i].defined(), "max_abs_diff: tensor ", i,
+                " is defined in one list only");
+    if (!a[i].defined()) {
+      continue;
+    }
+    TORCH_CHECK(a[i].sizes() == b[i].sizes(), "max_abs_diff: tensor ", i, " has shape ",
+                a[i].sizes(), " in one list and ", b[i].sizes(), " in the other");
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return worst;
 }
 
 } // namespace trainmem

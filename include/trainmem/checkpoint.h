@@ -16,11 +16,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
 
 namespace trainmem {
 
@@ -68,41 +70,57 @@ struct CheckpointOptions {
 using CheckpointFunction =
     std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
+namespace detail {
+std::vector<at::Tensor> checkpoint_impl(
+    const CheckpointFunction& fn,
+    const std::vector<at::Tensor>& inputs,
+    const CheckpointOptions& options);
+template <typename T>
+constexpr bool kIsModuleHolder = torch::detail::is_module_holder<std::decay_t<T>>::value;
+} // namespace detail
+
 /// Runs `fn(inputs)` keeping only `inputs` (and what `fn` saves outside
 /// autograd) for backward; `fn` runs again when backward needs its saved
 /// tensors. `fn` must be deterministic up to the RNG state and must not
 /// depend on state that changes between forward and backward. Gradients
 /// equal the plain run's bit for bit when the recompute repeats the same
 /// kernels on the same inputs.
+template <typename F>
+  requires(!detail::kIsModuleHolder<F> &&
+           std::is_invocable_r_v<std::vector<at::Tensor>, F&, const std::vector<at::Tensor>&>)
 std::vector<at::Tensor> checkpoint(
-    const CheckpointFunction& fn,
+    F&& fn,
     const std::vector<at::Tensor>& inputs,
-    const CheckpointOptions& options = {});
+    const CheckpointOptions& options = {}) {
+  return detail::checkpoint_impl(CheckpointFunction(std::forward<F>(fn)), inputs, options);
+}
 
 /// Single-tensor form: `fn(input)`.
-at::Tensor checkpoint(
-    const std::function<at::Tensor(const at::Tensor&)>& fn,
-    const at::Tensor& input,
-    const CheckpointOptions& options = {});
+template <typename F>
+  requires(!detail::kIsModuleHolder<F> && std::is_invocable_r_v<at::Tensor, F&, const at::Tensor&>)
+at::Tensor checkpoint(F&& fn, const at::Tensor& input, const CheckpointOptions& options = {}) {
+  return detail::checkpoint_impl(
+      [f = std::forward<F>(fn)](const std::vector<at::Tensor>& in) mutable {
+        return std::vector<at::Tensor>{f(in[0])};
+      },
+      {input}, options)[0];
+}
 
 /// Module form: checkpoints `module->forward(input)` for any module holder
-/// whose forward takes and returns one tensor.
+/// (a TORCH_MODULE type) whose forward takes and returns one tensor.
 ///
 /// Example:
 /// ```
-/// auto y = trainmem::checkpoint(block, x);   // block: a TORCH_MODULE holder
+/// auto y = trainmem::checkpoint(block, x);
 /// ```
 template <typename ModuleHolder>
-  requires requires(ModuleHolder m, const at::Tensor& x) {
-    { m->forward(x) } -> std::convertible_to<at::Tensor>;
-  }
+  requires(detail::kIsModuleHolder<ModuleHolder>)
 at::Tensor checkpoint(
     ModuleHolder module,
     const at::Tensor& input,
     const CheckpointOptions& options = {}) {
   return checkpoint(
-      std::function<at::Tensor(const at::Tensor&)>(
-          [module](const at::Tensor& x) mutable { return module->forward(x); }),
+      [module](const at::Tensor& x) mutable -> at::Tensor { return module->forward(x); },
       input, options);
 }
 

@@ -8,5 +8,6 @@
 #include "trainmem/hooks.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
+#include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 #include "trainmem/version.h"

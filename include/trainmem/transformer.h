@@ -25,6 +25,10 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "trainmem/checkpoint.h"
+#include "trainmem/meter.h"
+#include "trainmem/selective.h"
+
 namespace trainmem {
 
 /// Shape of the reference transformer. Defaults are the seed's capstone.
@@ -34,6 +38,30 @@ struct TransformerOptions {
   TORCH_ARG(int64_t, num_heads) = 4;  ///< attention heads (d_model % heads == 0)
   TORCH_ARG(int64_t, batch) = 16;     ///< B of the demo's input
   TORCH_ARG(int64_t, seq_len) = 64;   ///< T of the demo's input
+};
+
+/// Which blocks of a Transformer are checkpointed, and how. The seed's four
+/// variants are none(), full(), every(k) and selective(policy).
+///
+/// Example:
+/// ```
+/// auto y = model->forward(x, trainmem::BlockCheckpointing::every(6, 2));
+/// ```
+struct BlockCheckpointing {
+  std::vector<bool> blocks;       ///< blocks[i]: checkpoint block i
+  CheckpointOptions options;      ///< options of each checkpoint call
+  std::string name = "none";      ///< "none", "full", "every_2", "selective"...
+
+  /// No checkpointing.
+  static BlockCheckpointing none(int64_t num_layers);
+  /// Every block.
+  static BlockCheckpointing full(int64_t num_layers);
+  /// Blocks 0, k, 2k, ... (every_2 checkpoints every other block).
+  static BlockCheckpointing every(int64_t num_layers, int64_t k);
+  /// Every block, selectively: `policy`'s saved op outputs are cached.
+  static BlockCheckpointing selective(int64_t num_layers, SelectivePolicy policy);
+  /// The given blocks.
+  static BlockCheckpointing chosen(int64_t num_layers, const std::vector<int64_t>& which);
 };
 
 /// One pre-LN block. forward: (B, T, d) -> (B, T, d).
@@ -56,6 +84,9 @@ class TransformerImpl : public torch::nn::Cloneable<TransformerImpl> {
   explicit TransformerImpl(TransformerOptions options = {});
   void reset() override;
   torch::Tensor forward(torch::Tensor x);
+  /// forward with the blocks `plan` names checkpointed. Throws if the plan
+  /// has a different number of blocks.
+  torch::Tensor forward(torch::Tensor x, const BlockCheckpointing& plan);
 
   TransformerOptions options;
   torch::nn::ModuleList blocks{nullptr};
@@ -89,5 +120,21 @@ struct ActivationEstimate {
   int64_t total_bytes = 0; ///< sum of the terms, in bytes
 };
 ActivationEstimate estimate_activation_bytes(const TransformerOptions& options);
+
+/// One metered training step of the reference model: forward under `plan`
+/// inside a SavedTensorMeter scope, loss `out.pow(2).mean()`, backward.
+struct VariantRun {
+  std::string name;              ///< the plan's name
+  SavedTensorReport saved;       ///< what autograd (and SAC's cache) kept
+  std::vector<at::Tensor> grads; ///< parameter gradients, in parameters() order
+};
+
+/// Runs one metered step of `model` on `x` under `plan`. Gradients are
+/// cleared before and after, so runs can be compared.
+VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheckpointing& plan);
+
+/// Largest absolute elementwise difference between two lists of tensors of
+/// the same shapes (throws if the lists differ in length or shapes).
+double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b);
 
 } // namespace trainmem
