@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
+#include "trainmem/allocator.h"
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
 #include "trainmem/transformer.h"
@@ -64,5 +65,24 @@ void BM_CapstoneStepMetered(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_CapstoneStepMetered)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
+} // namespace
+
+namespace {
+
+// Registered last: the counting allocator, once installed, stays for the
+// rest of the process, so every benchmark above ran without it.
+void BM_CapstoneStepTracked(benchmark::State& state) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  Capstone c;
+  const auto plan = variant(0, c.options.num_layers());
+  state.SetLabel("none, CPU allocator counted");
+  for (auto _ : state) {
+    trainmem::PeakWindow window(tracker);
+    c.step(plan, nullptr);
+    benchmark::DoNotOptimize(window.peak_bytes());
+  }
+}
+BENCHMARK(BM_CapstoneStepTracked)->Unit(benchmark::kMillisecond)->MinTime(2.0);
 
 } // namespace

@@ -16,6 +16,7 @@
 #include <torch/optim/adamw.h>
 
 #include "trainmem/accountant.h"
+#include "trainmem/allocator.h"
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
 #include "trainmem/transformer.h"
@@ -48,6 +49,8 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    // First thing: everything allocated from here on is counted.
+    trainmem::CpuMemoryTracker::install();
     torch::manual_seed(0);
     trainmem::TransformerOptions o;  // the seed's capstone
     trainmem::Transformer model(o);
@@ -77,6 +80,13 @@ int main(int argc, char** argv) {
           trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy())}) {
       runs.push_back(trainmem::run_variant(model, x, plan));
     }
+    // Optimizer step in backward: at the capstone's shape (activations
+    // dominate: the peak is early in backward) and with tiny activations
+    // (batch 1, 8 tokens: the peak moves to the optimizer step).
+    const auto oib = trainmem::measure_optimizer_in_backward(o);
+    auto tiny = o;
+    tiny.batch(1).seq_len(8);
+    const auto oib_tiny = trainmem::measure_optimizer_in_backward(tiny);
     const auto estimate = trainmem::estimate_activation_bytes(o);
     const int64_t predicted = trainmem::predicted_activation_bytes(o);
     const double ratio = static_cast<double>(saved.saved_bytes) / static_cast<double>(predicted);
@@ -113,8 +123,15 @@ int main(int argc, char** argv) {
         doc["variants"][r.name] = {
             {"saved_activation_bytes", r.saved.saved_bytes},
             {"saved_units_512KiB", static_cast<double>(r.saved.saved_bytes) / static_cast<double>(unit)},
-            {"max_grad_diff", trainmem::max_abs_diff(runs.front().grads, r.grads)}};
+            {"max_grad_diff", trainmem::max_abs_diff(runs.front().grads, r.grads)},
+            {"peak_bytes", r.peak_bytes}};
       }
+      doc["optimizer_in_backward"] = {{"peak_bytes", oib.peak_bytes},
+                                      {"plain_peak_bytes", oib.plain_peak_bytes},
+                                      {"grad_bytes", oib.grad_bytes},
+                                      {"tiny_batch", {{"batch", 1}, {"seq_len", 8},
+                                                      {"peak_bytes", oib_tiny.peak_bytes},
+                                                      {"plain_peak_bytes", oib_tiny.plain_peak_bytes}}}};
       std::cout << doc.dump() << "\n";
       return 0;
     }
@@ -143,14 +160,28 @@ int main(int argc, char** argv) {
                                                                        : "DIFFERS from the measurement");
     std::cout << fmt::format("\ncheckpointing variants (unit: one (B, T, d) fp32 tensor, {} KiB)\n",
                              unit / 1024);
-    std::cout << fmt::format("  {:<12}{:>16}{:>10}{:>16}\n", "variant", "saved B", "units",
-                             "max grad diff");
+    std::cout << fmt::format("  {:<12}{:>16}{:>10}{:>16}{:>18}\n", "variant", "saved B", "units",
+                             "max grad diff", "CPU peak B");
     for (const auto& r : runs) {
-      std::cout << fmt::format("  {:<12}{:>16}{:>10.2f}{:>16.3g}\n", r.name,
+      std::cout << fmt::format("  {:<12}{:>16}{:>10.2f}{:>16.3g}{:>18}\n", r.name,
                                commas(r.saved.saved_bytes),
                                static_cast<double>(r.saved.saved_bytes) / static_cast<double>(unit),
-                               trainmem::max_abs_diff(runs.front().grads, r.grads));
+                               trainmem::max_abs_diff(runs.front().grads, r.grads),
+                               commas(r.peak_bytes));
     }
+    std::cout << "  (CPU peak: live bytes of the step counted by the CPU allocator wrapper,\n"
+                 "   parameters and optimizer state included; allocations LibTorch does not\n"
+                 "   make through its allocator, e.g. oneDNN scratch, are not seen)\n";
+    std::cout << "\noptimizer step in backward (AdamW, CPU peak of one step)\n";
+    std::cout << fmt::format("  {:<28}{:>16}{:>16}{:>14}\n", "shape", "plain peak B", "in-backward B",
+                             "drop B");
+    std::cout << fmt::format("  {:<28}{:>16}{:>16}{:>14}\n", "capstone (16, 64, 128)",
+                             commas(oib.plain_peak_bytes), commas(oib.peak_bytes),
+                             commas(oib.plain_peak_bytes - oib.peak_bytes));
+    std::cout << fmt::format("  {:<28}{:>16}{:>16}{:>14}\n", "tiny batch (1, 8, 128)",
+                             commas(oib_tiny.plain_peak_bytes), commas(oib_tiny.peak_bytes),
+                             commas(oib_tiny.plain_peak_bytes - oib_tiny.peak_bytes));
+    std::cout << fmt::format("  gradient bucket: {} B\n", commas(oib.grad_bytes));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capstone: %s\n", e.what());

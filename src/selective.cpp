@@ -59,6 +59,7 @@ struct CachedOutputs {
   std::vector<int64_t> versions;       // one per tensor, in order
   std::vector<c10::Device> devices;    // where offloaded tensors go back to
   bool mutated_in_region = false;      // see Note [In-place ops on cached outputs]
+  bool replayed = false;               // handed to a recompute (and released)
 };
 
 // Note [In-place ops on cached outputs]
@@ -68,9 +69,10 @@ struct CachedOutputs {
 // cannot see it, and replaying the cached mm output would add the bias twice.
 // The forward fallback therefore watches in-place ops inside the region: one
 // that writes a cached storage first moves the cached value to a private copy
-// (taken before the write), and the replay hands out copies of that value, so
-// the recompute's own add_ never touches the cache. The copy is made once per
-// such op in forward; the memory held is the same one tensor.
+// (taken before the write). The replay hands the cached value over and drops
+// it from the cache, so the recompute's own add_ changes nothing anyone reads
+// again. The copy is made once per such op in forward; the memory held is the
+// same one tensor.
 
 // One checkpoint call's cache, shared by its forward and recompute contexts.
 struct SelectiveCache {
@@ -147,17 +149,13 @@ c10::IValue hold(const c10::IValue& v, bool offload) {
   return v;
 }
 
-c10::IValue replay(const c10::IValue& v, const std::vector<c10::Device>& devices, size_t& i,
-                   bool copy) {
+c10::IValue replay(const c10::IValue& v, const std::vector<c10::Device>& devices, size_t& i) {
   auto give = [&](const at::Tensor& t) {
     if (!t.defined()) {
       return t;
     }
     const auto device = devices.at(i++);
-    if (t.device() != device) {
-      return t.to(device);
-    }
-    return copy ? t.clone() : t.tensor_data();
+    return t.device() != device ? t.to(device) : t.tensor_data();
   };
   if (v.isTensor()) {
     return give(v.toTensor());
@@ -279,7 +277,7 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, t
                            [](SelectiveOpCounts& n, int64_t) { ++n.num_recompute_executed; });
     return;
   }
-  const CachedOutputs* entry = nullptr;
+  CachedOutputs* entry = nullptr;
   {
     std::lock_guard<std::mutex> lock(c.mutex);
     auto& queue = c.cache[key];
@@ -290,6 +288,11 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, t
         " more often than the forward ran it (", queue.size(),
         " times); the region or the policy is not deterministic");
     entry = &queue[pos++];
+    TORCH_CHECK(
+        !entry->replayed,
+        "trainmem selective checkpoint: the cached output of ", key,
+        " was already handed to an earlier recompute; a selectively checkpointed region "
+        "supports one backward (like PyTorch's), not backward with retain_graph twice");
   }
   size_t ti = 0;
   for (const auto& v : entry->values) {
@@ -302,11 +305,16 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, t
           "). Do not modify its output in place inside or after the checkpointed region.");
     });
   }
+  // The cache entry is released as it is replayed (PyTorch pops it too), so
+  // the recompute uses the cached storage itself: no copy, and memory falls
+  // as backward walks the region.
   torch::jit::drop(*stack, num_args);
   size_t di = 0;
   for (const auto& v : entry->values) {
-    stack->push_back(replay(v, entry->devices, di, entry->mutated_in_region));
+    stack->push_back(replay(v, entry->devices, di));
   }
+  entry->values.clear();
+  entry->replayed = true;
   SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t) { ++n.num_replayed; });
 }
 

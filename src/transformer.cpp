@@ -8,6 +8,11 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/Exception.h>
+#include <optional>
+#include <torch/optim/adamw.h>
+
+#include "trainmem/allocator.h"
+#include "trainmem/optimizer_in_backward.h"
 #include <torch/nn/options/linear.h>
 #include <torch/nn/options/normalization.h>
 
@@ -159,6 +164,10 @@ VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheck
     p.mutable_grad().reset();  // compare this step's gradients alone
   }
   SavedTensorMeter meter(*model);
+  std::optional<PeakWindow> window;
+  if (CpuMemoryTracker::installed()) {
+    window.emplace(CpuMemoryTracker::install());
+  }
   at::Tensor loss;
   {
     SavedTensorMeterGuard scope(meter);
@@ -166,11 +175,54 @@ VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheck
   }
   run.saved = meter.report();
   loss.backward();
+  loss = at::Tensor();
+  if (window) {
+    run.peak_bytes = window->peak_bytes();
+  }
   for (auto& p : model->parameters()) {
     run.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
     p.mutable_grad().reset();
   }
   return run;
+}
+
+OptimizerInBackwardPeaks measure_optimizer_in_backward(const TransformerOptions& o) {
+  TORCH_CHECK(CpuMemoryTracker::installed(),
+              "measure_optimizer_in_backward: install the CpuMemoryTracker first");
+  auto& tracker = CpuMemoryTracker::install();
+  const auto adamw = torch::optim::AdamWOptions(1e-3);
+  auto measure = [&](bool in_backward) {
+    torch::manual_seed(0);
+    Transformer model(o);
+    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+    int64_t peak = 0;
+    std::unique_ptr<OptimizerInBackward> oib;
+    std::unique_ptr<torch::optim::AdamW> opt;
+    if (in_backward) {
+      oib = std::make_unique<OptimizerInBackward>(model->parameters(), [adamw](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::AdamW>(p, adamw);
+      });
+    } else {
+      opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
+    }
+    for (int step = 0; step < 2; ++step) {  // the first step is the warm-up
+      PeakWindow window(tracker);
+      if (opt) {
+        opt->zero_grad();
+      }
+      model->forward(x).pow(2).mean().backward();
+      if (opt) {
+        opt->step();
+      }
+      peak = window.peak_bytes();
+    }
+    return peak;
+  };
+  OptimizerInBackwardPeaks r;
+  r.plain_peak_bytes = measure(false);
+  r.peak_bytes = measure(true);
+  r.grad_bytes = 4 * transformer_num_params(o);
+  return r;
 }
 
 double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {

@@ -4,10 +4,13 @@
 /// your own code (they compile faster).
 
 #include "trainmem/accountant.h"
+#include "trainmem/allocator.h"
 #include "trainmem/checkpoint.h"
 #include "trainmem/hooks.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
+#include "trainmem/offload.h"
+#include "trainmem/optimizer_in_backward.h"
 #include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 #include "trainmem/version.h"

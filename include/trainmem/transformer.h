@@ -127,11 +127,24 @@ struct VariantRun {
   std::string name;              ///< the plan's name
   SavedTensorReport saved;       ///< what autograd (and SAC's cache) kept
   std::vector<at::Tensor> grads; ///< parameter gradients, in parameters() order
+  /// CPU peak live bytes of the step (forward and backward), from the
+  /// CpuMemoryTracker; -1 when the tracker is not installed.
+  int64_t peak_bytes = -1;
 };
 
 /// Runs one metered step of `model` on `x` under `plan`. Gradients are
 /// cleared before and after, so runs can be compared.
 VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheckpointing& plan);
+
+/// CPU peaks of the reference model's AdamW training step, plain and with the
+/// optimizer stepped in backward, after one warm-up step each (so optimizer
+/// state exists in both). Needs CpuMemoryTracker::install() first.
+struct OptimizerInBackwardPeaks {
+  int64_t plain_peak_bytes = 0; ///< zero_grad, forward, backward, step
+  int64_t peak_bytes = 0;       ///< forward, backward (steps inside)
+  int64_t grad_bytes = 0;       ///< the gradient bucket, for comparison
+};
+OptimizerInBackwardPeaks measure_optimizer_in_backward(const TransformerOptions& options);
 
 /// Largest absolute elementwise difference between two lists of tensors of
 /// the same shapes (throws if the lists differ in length or shapes).
