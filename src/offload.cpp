@@ -119,22 +119,22 @@ class OffloadHooks final : public SavedTensorHooks {
 
 namespace trainmem {
 
-SaveOnCpuGuard::SaveOnCpuGuard(SaveOnCpuOptions options)
-    : hooks_(std::make_shared<detail::OffloadHooks>(options)) {
-  TORCH_CHECK(options.min_offload_bytes() >= 0,
-              "SaveOnCpuGuard: expected min_offload_bytes >= 0, but got ", options.min_offload_bytes());
-  guard_ = std::make_unique<SavedTensorHooksGuard>(hooks_);
-}
+SaveOnCpuGuard::SaveOnCpuGuard(SaveOnCpuOptions options) : SaveOnCpuGuard(nullptr, options) {}
 
 SaveOnCpuGuard::SaveOnCpuGuard(const torch::nn::Module& module, SaveOnCpuOptions options)
-    : hooks_(std::make_shared<detail::OffloadHooks>(options)) {
+    : SaveOnCpuGuard(&module, options) {}
+
+SaveOnCpuGuard::SaveOnCpuGuard(const torch::nn::Module* module, SaveOnCpuOptions options) {
   TORCH_CHECK(options.min_offload_bytes() >= 0,
               "SaveOnCpuGuard: expected min_offload_bytes >= 0, but got ", options.min_offload_bytes());
-  for (const auto& p : module.parameters()) {
-    hooks_->exclude(p);
-  }
-  for (const auto& b : module.buffers()) {
-    hooks_->exclude(b);
+  hooks_ = std::make_shared<detail::OffloadHooks>(options);
+  if (module != nullptr) {
+    for (const auto& p : module->parameters()) {
+      hooks_->exclude(p);
+    }
+    for (const auto& b : module->buffers()) {
+      hooks_->exclude(b);
+    }
   }
   guard_ = std::make_unique<SavedTensorHooksGuard>(hooks_);
 }

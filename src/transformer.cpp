@@ -147,10 +147,12 @@ ActivationEstimate estimate_activation_bytes(const TransformerOptions& o) {
   // (views of one buffer), attention output 1 (also the projection's input:
   // CPU flash attention returns it in (B, T, H, hd) layout, so the reshape is
   // a view), MLP input 1, GELU input 4, GELU output 4.
-  e.terms.push_back({"16 (B, T, d) tensors per layer (64 T B d)", 16 * B * T * d * f * L});
-  e.terms.push_back({"LayerNorm mean and rstd (2 per LayerNorm, (B, T, 1))", 2 * 2 * B * T * f * L});
-  e.terms.push_back({"SDPA log-sum-exp ((B, H, T))", B * H * T * f * L});
-  e.terms.push_back({"loss input (pow saves the output)", B * T * d * f});
+  e.terms = {
+      ActivationTerm{"16 (B, T, d) tensors per layer (64 T B d)", 16 * B * T * d * f * L},
+      ActivationTerm{"LayerNorm mean and rstd (2 per LayerNorm, (B, T, 1))", 2 * 2 * B * T * f * L},
+      ActivationTerm{"SDPA log-sum-exp ((B, H, T))", B * H * T * f * L},
+      ActivationTerm{"loss input (pow saves the output)", B * T * d * f},
+  };
   for (const auto& t : e.terms) {
     e.total_bytes += t.bytes;
   }

@@ -19,16 +19,21 @@ trainmem::OptimizerFactory sgd(double lr) {
   };
 }
 
+// A second Linear with the same weights, for a reference run.
+torch::nn::Linear twin_of(const torch::nn::Linear& model) {
+  torch::nn::Linear ref(model->options);
+  at::NoGradGuard no_grad;
+  ref->weight.copy_(model->weight);
+  ref->bias.copy_(model->bias);
+  return ref;
+}
+
 // Seed fence 5: after backward alone, p == p0 - lr * grad, every .grad freed.
 TEST(OptimizerInBackwardTest, StepsInBackwardAndFreesGradients) {
   torch::manual_seed(0);
   const double lr = 0.1;
-  torch::nn::Linear model(8, 4), ref(8, 4);
-  {
-    at::NoGradGuard g;
-    ref->weight.copy_(model->weight);
-    ref->bias.copy_(model->bias);
-  }
+  torch::nn::Linear model(8, 4);
+  auto ref = twin_of(model);
   auto x = torch::randn({5, 8}), y = torch::randn({5, 4});
   {
     trainmem::OptimizerInBackward oib(model->parameters(), sgd(lr));
@@ -49,12 +54,8 @@ TEST(OptimizerInBackwardTest, StepsInBackwardAndFreesGradients) {
 
 TEST(OptimizerInBackwardTest, AdamWMatchesThePlainOptimizerExactly) {
   torch::manual_seed(0);
-  torch::nn::Linear model(16, 8), ref(16, 8);
-  {
-    at::NoGradGuard g;
-    ref->weight.copy_(model->weight);
-    ref->bias.copy_(model->bias);
-  }
+  torch::nn::Linear model(16, 8);
+  auto ref = twin_of(model);
   auto opts = torch::optim::AdamWOptions(1e-2);
   trainmem::OptimizerInBackward oib(model->parameters(), [opts](std::vector<at::Tensor> p) {
     return std::make_unique<torch::optim::AdamW>(p, opts);
@@ -73,12 +74,8 @@ TEST(OptimizerInBackwardTest, AdamWMatchesThePlainOptimizerExactly) {
 
 TEST(OptimizerInBackwardTest, AccumulatesOverKBackwards) {
   torch::manual_seed(0);
-  torch::nn::Linear model(6, 3), ref(6, 3);
-  {
-    at::NoGradGuard g;
-    ref->weight.copy_(model->weight);
-    ref->bias.copy_(model->bias);
-  }
+  torch::nn::Linear model(6, 3);
+  auto ref = twin_of(model);
   trainmem::OptimizerInBackward oib(model->parameters(), sgd(0.5), /*accumulation_steps=*/2);
   auto x1 = torch::randn({4, 6}), x2 = torch::randn({4, 6});
   model->forward(x1).sum().backward();
@@ -96,12 +93,8 @@ TEST(OptimizerInBackwardTest, AccumulatesOverKBackwards) {
 
 TEST(OptimizerInBackwardTest, TwoPassClippingMatchesClipGradNorm) {
   torch::manual_seed(0);
-  torch::nn::Linear model(10, 10), ref(10, 10);
-  {
-    at::NoGradGuard g;
-    ref->weight.copy_(model->weight);
-    ref->bias.copy_(model->bias);
-  }
+  torch::nn::Linear model(10, 10);
+  auto ref = twin_of(model);
   auto x = torch::randn({8, 10}) * 10;
   trainmem::OptimizerInBackward oib(model->parameters(), sgd(0.1));
   const double norm = oib.clip_grad_norm(0.5, [&] { model->forward(x).pow(2).sum().backward(); });

@@ -77,6 +77,7 @@ class SaveOnCpuGuard {
   OffloadStats stats() const;
 
  private:
+  SaveOnCpuGuard(const torch::nn::Module* module, SaveOnCpuOptions options);
   std::shared_ptr<detail::OffloadHooks> hooks_;
   std::unique_ptr<SavedTensorHooksGuard> guard_;
 };
