@@ -8,6 +8,7 @@
 
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
+#include "trainmem/offload.h"
 #include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 
@@ -84,5 +85,30 @@ void BM_CapstoneStepTracked(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_CapstoneStepTracked)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
+} // namespace
+
+namespace {
+
+// Save-on-CPU on the capstone. On a CPU-only machine the guard copies nothing
+// (arg 0: its bookkeeping cost alone); arg 1 forces the copy path
+// (copy_cpu_tensors), i.e. every saved activation crosses memory twice.
+void BM_CapstoneStepOffload(benchmark::State& state) {
+  Capstone c;
+  const bool copy = state.range(0) != 0;
+  state.SetLabel(copy ? "none, save-on-CPU, copies forced" : "none, save-on-CPU (no-op on CPU)");
+  const auto options = trainmem::SaveOnCpuOptions().copy_cpu_tensors(copy);
+  for (auto _ : state) {
+    c.opt.zero_grad();
+    at::Tensor loss;
+    {
+      trainmem::SaveOnCpuGuard offload(*c.model, options);
+      loss = c.model->forward(c.x).pow(2).mean();
+    }
+    loss.backward();
+    c.opt.step();
+  }
+}
+BENCHMARK(BM_CapstoneStepOffload)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(2.0);
 
 } // namespace

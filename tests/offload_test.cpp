@@ -1,6 +1,7 @@
 #include "trainmem/offload.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
@@ -66,6 +67,37 @@ TEST(OffloadTest, CopiesSharedStoragesOnceWithIdenticalGradients) {
 
 TEST(OffloadTest, RejectsANegativeThreshold) {
   EXPECT_THROW(trainmem::SaveOnCpuGuard(trainmem::SaveOnCpuOptions().min_offload_bytes(-1)), c10::Error);
+}
+
+} // namespace
+
+namespace {
+
+// On a GPU: CUDA activations go to (pinned) host memory and come back; the
+// gradients equal the plain run's. Skipped without CUDA.
+TEST(OffloadCudaTest, OffloadsCudaActivationsWithIdenticalGradients) {
+  if (!at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  torch::manual_seed(0);
+  torch::nn::Linear lin(256, 256);
+  lin->to(at::kCUDA);
+  auto x = torch::randn({64, 256}, at::TensorOptions().device(at::kCUDA)).requires_grad_();
+  at::gelu(lin->forward(x)).sum().backward();
+  const auto ref = lin->weight.grad().clone();
+  lin->zero_grad();
+  at::Tensor loss;
+  trainmem::OffloadStats stats;
+  {
+    trainmem::SaveOnCpuGuard offload(*lin, trainmem::SaveOnCpuOptions().pin_memory(true));
+    loss = at::gelu(lin->forward(x)).sum();
+    stats = offload.stats();
+  }
+  // x and the Linear output (64 x 256 fp32 each) went to the host; W.T stayed.
+  EXPECT_EQ(stats.offloaded_bytes, 2 * 64 * 256 * 4);
+  EXPECT_EQ(stats.num_kept, 1);
+  loss.backward();
+  EXPECT_TRUE(lin->weight.grad().equal(ref));
 }
 
 } // namespace
