@@ -128,46 +128,42 @@ void for_each_tensor(const c10::IValue& v, F&& f) {
   }
 }
 
-c10::IValue hold(const c10::IValue& v, bool offload) {
-  auto keep = [offload](const at::Tensor& t) {
-    if (!t.defined()) {
-      return t;
-    }
-    return offload && !t.is_cpu() ? t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
-                                   : t.tensor_data();
-  };
+// Applies f to every tensor of an op output (a tensor or a tensor list).
+template <typename F>
+c10::IValue map_tensors(const c10::IValue& v, F&& f) {
   if (v.isTensor()) {
-    return keep(v.toTensor());
+    return f(v.toTensor());
   }
   if (v.isTensorList()) {
     std::vector<at::Tensor> out;
     for (const at::Tensor& t : v.toTensorVector()) {
-      out.push_back(keep(t));
+      out.push_back(f(t));
     }
     return out;
   }
   return v;
 }
 
+// What the cache keeps of an output: an alias, or a host copy when offloading.
+c10::IValue hold(const c10::IValue& v, bool offload) {
+  return map_tensors(v, [offload](const at::Tensor& t) {
+    if (!t.defined()) {
+      return t;
+    }
+    return offload && !t.is_cpu() ? t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
+                                   : t.tensor_data();
+  });
+}
+
+// What the recompute gets back: the cached tensor, on its original device.
 c10::IValue replay(const c10::IValue& v, const std::vector<c10::Device>& devices, size_t& i) {
-  auto give = [&](const at::Tensor& t) {
+  return map_tensors(v, [&](const at::Tensor& t) {
     if (!t.defined()) {
       return t;
     }
     const auto device = devices.at(i++);
     return t.device() != device ? t.to(device) : t.tensor_data();
-  };
-  if (v.isTensor()) {
-    return give(v.toTensor());
-  }
-  if (v.isTensorList()) {
-    std::vector<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorVector()) {
-      out.push_back(give(t));
-    }
-    return out;
-  }
-  return v;
+  });
 }
 
 // Note [In-place ops on cached outputs]: before a mutable op writes a cached
