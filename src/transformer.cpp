@@ -1,20 +1,21 @@
 #include "trainmem/transformer.h"
 
+#include <optional>
+
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/abs.h>
-#include <ATen/ops/max.h>
-#include <ATen/ops/pow.h>
-#include <ATen/ops/mean.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/max.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/pow.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/Exception.h>
-#include <optional>
+#include <torch/nn/options/linear.h>
+#include <torch/nn/options/normalization.h>
 #include <torch/optim/adamw.h>
 
 #include "trainmem/allocator.h"
 #include "trainmem/optimizer_in_backward.h"
-#include <torch/nn/options/linear.h>
-#include <torch/nn/options/normalization.h>
 
 namespace trainmem {
 

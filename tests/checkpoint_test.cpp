@@ -1,5 +1,7 @@
 #include "trainmem/checkpoint.h"
 
+#include <functional>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -31,6 +33,15 @@ void clear_grads(const at::Tensor& x, torch::nn::Module& m) {
   m.zero_grad();
 }
 
+// Runs `loss()` plainly, backward, and returns the gradients of x and m's
+// parameters, leaving them cleared for the run under test.
+Grads plain_grads(const at::Tensor& x, torch::nn::Module& m, const std::function<at::Tensor()>& loss) {
+  loss().backward();
+  auto g = grads_of(x, m);
+  clear_grads(x, m);
+  return g;
+}
+
 void expect_identical(const Grads& a, const Grads& b) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
@@ -47,9 +58,7 @@ void expect_identical(const Grads& a, const Grads& b) {
 TEST(CheckpointTest, KeepsOnlyTheInputsWithIdenticalGradients) {
   auto mlp = seed_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
-  mlp->forward(x).pow(2).sum().backward();
-  const auto ref = grads_of(x, *mlp);
-  clear_grads(x, *mlp);
+  const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).pow(2).sum(); });
 
   trainmem::SavedTensorMeter meter(*mlp);
   at::Tensor loss;
@@ -70,9 +79,7 @@ TEST(CheckpointTest, KeepsOnlyTheInputsWithIdenticalGradients) {
 TEST(CheckpointTest, WorksWhenNoInputRequiresGrad) {
   auto mlp = seed_mlp();
   auto x = torch::randn({16, 32});
-  mlp->forward(x).pow(2).sum().backward();
-  const auto ref = grads_of(x, *mlp);
-  clear_grads(x, *mlp);
+  const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).pow(2).sum(); });
   trainmem::checkpoint(mlp, x).pow(2).sum().backward();
   expect_identical(ref, grads_of(x, *mlp));
 }
@@ -94,9 +101,7 @@ TEST(CheckpointTest, WorksWithAutogradGradAndBackwardInputs) {
 TEST(CheckpointTest, NestedCheckpointsGiveIdenticalGradients) {
   auto mlp = seed_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
-  mlp->forward(x).exp().sum().backward();
-  const auto ref = grads_of(x, *mlp);
-  clear_grads(x, *mlp);
+  const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).exp().sum(); });
   auto inner = [&](const at::Tensor& h) { return mlp[2]->as<torch::nn::Linear>()->forward(h); };
   auto outer = [&](const at::Tensor& in) {
     auto h = at::gelu(mlp[0]->as<torch::nn::Linear>()->forward(in));
@@ -111,9 +116,7 @@ TEST(CheckpointTest, PreservesRngStateForDropout) {
   torch::nn::Sequential net(torch::nn::Linear(8, 64), torch::nn::Dropout(0.5), torch::nn::Linear(64, 4));
   auto x = torch::randn({5, 8}).requires_grad_();
   torch::manual_seed(123);
-  net->forward(x).pow(2).sum().backward();
-  const auto ref = grads_of(x, *net);
-  clear_grads(x, *net);
+  const auto ref = plain_grads(x, *net, [&] { return net->forward(x).pow(2).sum(); });
 
   torch::manual_seed(123);
   auto loss = trainmem::checkpoint(net, x).pow(2).sum();
@@ -216,9 +219,7 @@ TEST(CheckpointTest, BackwardTwiceWithoutRetainGraphIsAnError) {
 TEST(CheckpointTest, ReentrantGivesIdenticalGradientsAndRejectsGrad) {
   auto mlp = seed_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
-  mlp->forward(x).pow(2).sum().backward();
-  const auto ref = grads_of(x, *mlp);
-  clear_grads(x, *mlp);
+  const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).pow(2).sum(); });
   const auto reentrant = trainmem::CheckpointOptions().use_reentrant(true);
   trainmem::SavedTensorMeter meter(*mlp);
   at::Tensor loss;
@@ -246,9 +247,7 @@ TEST(CheckpointTest, SequentialCheckpointsAllButTheLastSegment) {
     net->push_back(torch::nn::Tanh());
   }
   auto x = torch::randn({4, 16}).requires_grad_();
-  net->forward(x).sum().backward();
-  const auto ref = grads_of(x, *net);
-  clear_grads(x, *net);
+  const auto ref = plain_grads(x, *net, [&] { return net->forward(x).sum(); });
 
   trainmem::SavedTensorMeter meter(*net);
   at::Tensor loss;
