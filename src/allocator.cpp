@@ -148,6 +148,11 @@ void CpuMemoryTracker::record_events(bool on) {
   counters().events_on.store(on);
 }
 
+int64_t CpuMemoryTracker::now_ns() const {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now() - counters().t0).count();
+}
+
 std::vector<CpuMemoryEvent> CpuMemoryTracker::take_events() {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.events_mutex);

@@ -60,6 +60,8 @@ class CpuMemoryTracker {
   void record_events(bool on);
   /// The events logged so far, oldest first; clears the log.
   std::vector<CpuMemoryEvent> take_events();
+  /// Steady-clock nanoseconds since install, the time base of the events.
+  int64_t now_ns() const;
 
   CpuMemoryTracker(const CpuMemoryTracker&) = delete;
   CpuMemoryTracker& operator=(const CpuMemoryTracker&) = delete;
