@@ -6,7 +6,7 @@ JOBS     ?= $(shell nproc)
 ARGS     ?=
 CMAKE_ARGS ?=
 
-.PHONY: all configure build demo test bench cuda-check clean
+.PHONY: all configure build demo test bench compare cuda-check clean
 
 all: build
 
@@ -35,6 +35,13 @@ test: build
 bench: build
 	@test -x $(BUILD)/bench/trainmem_bench || { echo "Google Benchmark not found: bench/ was not built" >&2; exit 1; }
 	$(BUILD)/bench/trainmem_bench $(ARGS)
+
+# trainmem beside PyTorch's Python tools on the capstone: bytes, gradients and
+# interleaved step times (bench/compare/compare.py; ARGS=--json, --scaling...).
+PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+compare: configure
+	cmake --build $(BUILD) --target trainmem_compare -j $(JOBS)
+	$(PYTHON) bench/compare/compare.py --build $(BUILD) --python $(PYTHON) $(ARGS)
 
 clean:
 	rm -rf $(BUILD)
