@@ -23,3 +23,6 @@ if(NOT TARGET trainmem_fmt)
   add_library(trainmem_fmt INTERFACE)
   target_compile_definitions(trainmem_fmt INTERFACE FMT_HEADER_ONLY=1)
 endif()
+
+# nlohmann_json: the report writers' JSON, header-only, private to the library.
+find_package(nlohmann_json 3.10 REQUIRED)

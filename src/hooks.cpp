@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <unordered_set>
 #include <vector>
@@ -10,6 +11,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include "detail/backward_listener.h"
 #include "detail/thread_id.h"
 
 // Note [Saved-tensor hooks]
@@ -85,7 +87,56 @@ class HooksEngine final : public torch::autograd::Engine {
     }
     return std::make_unique<HooksAdapter>(tls_frames.back().hooks);
   }
+
+  // Note [Phases from the engine]
+  // Every backward() and autograd::grad() enters Engine::execute on the
+  // calling thread and returns when the graph is done (CUDA work included,
+  // the engine waits for its device threads). Wrapping it tells listeners
+  // where backward starts and ends without touching the trainer. Nested
+  // executes (reentrant checkpoint's backward inside backward) are not
+  // phase changes: only the outermost one on a thread notifies.
+  torch::autograd::variable_list execute(
+      const torch::autograd::edge_list& roots,
+      const torch::autograd::variable_list& inputs,
+      bool keep_graph,
+      bool create_graph,
+      bool accumulate_grad,
+      const torch::autograd::edge_list& outputs) override {
+    struct Depth {
+      Depth() { outermost = depth++ == 0; if (outermost) notify(true); }
+      ~Depth() { --depth; if (outermost) notify(false); }
+      bool outermost;
+    } scope;
+    return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
+  }
+
+ private:
+  static thread_local int depth;
+  static void notify(bool begin);
 };
+
+thread_local int HooksEngine::depth = 0;
+
+std::mutex listeners_mutex;
+std::vector<std::pair<int64_t, std::function<void(bool)>>>& listeners() {
+  static auto* l = new std::vector<std::pair<int64_t, std::function<void(bool)>>>();
+  return *l;
+}
+std::atomic<int64_t> num_listeners{0};
+
+void HooksEngine::notify(bool begin) {
+  if (num_listeners.load(std::memory_order_relaxed) == 0) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(listeners_mutex);
+  for (const auto& [id, fn] : listeners()) {
+    try {
+      fn(begin);
+    } catch (...) {
+      // a listener must never break the backward it observes
+    }
+  }
+}
 
 HooksEngine* hooks_engine() {
   static auto* engine = new HooksEngine();
@@ -228,3 +279,30 @@ int64_t num_active_saved_tensor_hooks() {
 }
 
 } // namespace trainmem
+
+namespace trainmem::detail {
+
+int64_t add_backward_listener(std::function<void(bool begin)> fn) {
+  static std::atomic<int64_t> next_id{1};
+  const int64_t id = next_id.fetch_add(1);
+  std::lock_guard<std::mutex> lock(listeners_mutex);
+  listeners().emplace_back(id, std::move(fn));
+  num_listeners.fetch_add(1);
+  return id;
+}
+
+void remove_backward_listener(int64_t id) {
+  std::lock_guard<std::mutex> lock(listeners_mutex);
+  auto& l = listeners();
+  auto it = std::find_if(l.begin(), l.end(), [id](const auto& e) { return e.first == id; });
+  if (it != l.end()) {
+    l.erase(it);
+    num_listeners.fetch_sub(1);
+  }
+}
+
+void ensure_hooks_engine() {
+  install_engine();
+}
+
+} // namespace trainmem::detail

@@ -52,6 +52,14 @@ void check_writable(const std::string& path);
 /// std::runtime_error naming the path on failure.
 void write_file_atomically(const std::string& path, const std::string& contents);
 
+/// True when progress lines may go to stderr (it is a terminal).
+bool show_progress();
+
+/// Registers `trainmem audit`, `estimate` and `report` (commands.cpp).
+void add_audit_command(CLI::App& app);
+void add_estimate_command(CLI::App& app);
+void add_report_command(CLI::App& app);
+
 /// Registers `trainmem plan` (tools/trainmem/plan.cpp).
 void add_plan_command(CLI::App& app);
 

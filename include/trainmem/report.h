@@ -1,0 +1,102 @@
+#pragma once
+/// \file report.h
+/// The audit report as plain data, and its writers: text, JSON (schema
+/// "trainmem/1", docs/report.md), self-contained HTML with an inline SVG plot,
+/// Chrome-trace/Perfetto JSON, and the memory_viz pickle that
+/// pytorch.org/memory_viz and `python -m torch.cuda._memory_viz` read.
+///
+/// Example:
+/// ```
+/// trainmem::AuditReport r = audit.report();
+/// std::cout << trainmem::to_text(r);
+/// std::ofstream("report.html") << trainmem::to_html(r);
+/// std::ofstream("trace.json") << trainmem::to_chrome_trace(r);
+/// std::ofstream("snapshot.pickle", std::ios::binary)
+///     << trainmem::to_memory_viz_pickle(audit.timeline());
+/// ```
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "trainmem/device.h"
+#include "trainmem/meter.h"
+#include "trainmem/timeline.h"
+
+namespace trainmem {
+
+/// One static bucket (parameters, gradients, optimizer state...).
+struct BucketBytes {
+  std::string name;     ///< "parameters", "gradients", "optimizer state (exp_avg)"...
+  Category category = Category::kUnknown;
+  int64_t bytes = 0;    ///< in bytes, unique storages
+};
+
+/// One audited training step.
+struct StepRecord {
+  int64_t step = 0;               ///< from 0
+  double time_ms = 0;             ///< wall time of the step, in milliseconds
+  int64_t peak_bytes = 0;         ///< highest live bytes in the step
+  int64_t forward_peak_bytes = 0; ///< highest live bytes in its forward phases
+  int64_t backward_peak_bytes = 0;
+  int64_t optimizer_peak_bytes = 0; ///< 0 when the step had no optimizer phase
+  int64_t saved_activation_bytes = 0; ///< what autograd saved (meter), in bytes
+};
+
+/// Everything an audit found. Plain data: fill it yourself to render your own.
+struct AuditReport {
+  std::string schema = "trainmem/1";
+  std::string title = "train";
+  /// Settings of the run, shown as given ("layers" -> "6", ...).
+  std::vector<std::pair<std::string, std::string>> config;
+  std::string device = "cpu";
+  int64_t num_params = 0;
+  std::vector<BucketBytes> buckets;          ///< static buckets, largest categories first
+  int64_t saved_activation_bytes = 0;   ///< last step's saved tensors (meter), in bytes
+  std::vector<NodeSavedBytes> saved_by_node; ///< top producers of saved bytes
+  int64_t predicted_activation_bytes = -1;   ///< a prediction to compare with, or -1
+  std::vector<StepRecord> steps;
+  int64_t peak_bytes = 0;               ///< highest live bytes over all steps
+  CategoryBytes peak_by_category{};     ///< what was live at that peak (timeline only)
+  DeviceMemoryStats device_stats;       ///< at the end of the audit
+  Fragmentation fragmentation;          ///< of device_stats
+  std::vector<PhaseSpan> phases;        ///< every phase of every step
+  std::vector<TimelinePoint> series;    ///< live bytes over time, thinned
+  std::vector<std::string> notes;       ///< caveats worth reading
+
+  /// Sum of bucket bytes, in bytes.
+  int64_t static_bytes() const;
+};
+
+/// A table a person reads in a terminal.
+std::string to_text(const AuditReport& report);
+
+/// One JSON document (schema "trainmem/1"); `indent` < 0 prints one line.
+std::string to_json(const AuditReport& report, int indent = 2);
+
+/// Reads a document written by to_json(). Throws c10::Error naming what is
+/// wrong (not JSON, another schema, a missing or mistyped key).
+AuditReport report_from_json(const std::string& json);
+
+/// A self-contained HTML page: a Content-Security-Policy that forbids every
+/// fetch, an inline SVG stacked-area plot of live bytes by category with
+/// phase bands, the buckets, the steps and the top saved-tensor producers.
+std::string to_html(const AuditReport& report);
+
+/// Chrome Trace Event JSON (chrome://tracing, ui.perfetto.dev): one counter
+/// track per category (bytes) and one slice per phase.
+std::string to_chrome_trace(const AuditReport& report);
+
+/// A memory_viz snapshot of a CPU timeline as a raw pickle: device_traces
+/// with alloc / free_completed actions (frames name category and phase) and
+/// one segment per block still live at the end.
+std::string to_memory_viz_pickle(const Timeline& timeline);
+
+/// "1,234,567": bytes with thousands separators.
+std::string with_commas(int64_t value);
+
+/// "48.7 MiB": bytes in binary units with one decimal.
+std::string human_bytes(int64_t bytes);
+
+} // namespace trainmem

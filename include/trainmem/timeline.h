@@ -1,0 +1,97 @@
+#pragma once
+/// \file timeline.h
+/// Memory over time, coloured by what the bytes are. Every allocation and
+/// free of an audited step carries a category (PyTorch's names: PARAMETER,
+/// GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, unknown) and a
+/// phase (forward, backward, optimizer step). Audit (audit.h) records one;
+/// the writers in report.h turn it into a Chrome trace, an HTML/SVG plot or
+/// a memory_viz pickle.
+///
+/// Example:
+/// ```
+/// const trainmem::Timeline& t = audit.timeline();
+/// for (const auto& p : trainmem::live_bytes(t, 200))
+///   std::cout << p.time_ns << " " << p.total_bytes() << "\n";
+/// ```
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainmem {
+
+/// What an allocation holds. Values are stable (they index arrays).
+enum class Category : uint8_t {
+  kParameter = 0,
+  kGradient,
+  kOptimizerState,
+  kActivation, ///< made in forward, alive when backward starts
+  kTemporary,  ///< made and freed within one phase, or freed before backward
+  kInput,      ///< a tensor passed to Audit::mark_input()
+  kUnknown,    ///< live but not attributable (made before the audit, caches)
+};
+inline constexpr int kNumCategories = 7;
+
+/// PyTorch's spelling: "PARAMETER", ..., "unknown".
+const char* category_name(Category category);
+
+/// Part of a training step.
+enum class Phase : uint8_t {
+  kForward = 0,   ///< from the step's start to the first backward
+  kBackward,      ///< inside backward() / autograd::grad()
+  kOptimizerStep, ///< after the last backward until the step's end
+};
+inline constexpr int kNumPhases = 3;
+
+/// "forward", "backward", "optimizer step".
+const char* phase_name(Phase phase);
+
+/// Bytes per category, indexed by static_cast<int>(Category).
+using CategoryBytes = std::array<int64_t, kNumCategories>;
+
+/// One allocation (bytes > 0) or free (bytes < 0) inside an audited step.
+struct MemoryEvent {
+  int64_t time_ns = 0;   ///< since the audit started recording, in ns
+  int64_t bytes = 0;     ///< + allocated, - freed, in bytes
+  uint64_t address = 0;  ///< the block's address (pairs an alloc with its free)
+  Category category = Category::kUnknown;
+  Phase phase = Phase::kForward;
+  int64_t step = 0;      ///< audited step, from 0
+};
+
+/// One phase of one step, with its peak and what was live at that peak.
+struct PhaseSpan {
+  Phase phase = Phase::kForward;
+  int64_t step = 0;
+  int64_t begin_ns = 0;       ///< since the audit started recording, in ns
+  int64_t end_ns = 0;         ///< in ns
+  int64_t peak_bytes = 0;     ///< highest live bytes during the span
+  CategoryBytes peak_by_category{}; ///< live bytes by category at that peak (timeline only)
+};
+
+/// Everything recorded: live bytes by category before the first event, then
+/// every event and the phases.
+struct Timeline {
+  std::string device = "cpu";
+  CategoryBytes baseline_bytes{};   ///< live by category when recording began
+  std::vector<MemoryEvent> events;  ///< oldest first
+  std::vector<PhaseSpan> phases;    ///< in time order
+  int64_t num_dropped_events = 0;   ///< events beyond the recording cap
+};
+
+/// Live bytes by category at one moment.
+struct TimelinePoint {
+  int64_t time_ns = 0;
+  CategoryBytes bytes{};
+  /// Sum over categories, in bytes.
+  int64_t total_bytes() const;
+};
+
+/// Live bytes by category after each event, starting with the baseline. With
+/// `max_points` > 0 the series is thinned to at most about that many points,
+/// keeping in each stretch the point with the most live bytes, so peaks
+/// survive thinning.
+std::vector<TimelinePoint> live_bytes(const Timeline& timeline, int64_t max_points = 0);
+
+} // namespace trainmem

@@ -1,0 +1,89 @@
+#pragma once
+/// \file trainer.h
+/// The bundled, audited training loop behind `trainmem audit`: the reference
+/// transformer (transformer.h) trained for a few steps with a chosen
+/// optimizer, precision, checkpointing, offload, optimizer-in-backward and
+/// gradient accumulation, every step audited (audit.h). Each rung of seed
+/// 001's ladder (precision, checkpoint, accumulation) shows its memory and
+/// time.
+///
+/// Example:
+/// ```
+/// auto run = trainmem::train(trainmem::TrainerOptions().checkpoint("every_2").steps(2));
+/// std::cout << trainmem::to_text(run.report);
+/// ```
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include "trainmem/report.h"
+#include "trainmem/timeline.h"
+#include "trainmem/transformer.h"
+
+namespace trainmem {
+
+/// Numeric precision of a training run.
+enum class Precision {
+  kFp32,         ///< fp32 parameters, gradients and activations
+  kBf16Autocast, ///< fp32 parameters; matmuls and attention in bf16 (autocast)
+  kBf16,         ///< everything in bf16, optimizer state too (LibTorch's optimizers keep state in the parameter dtype)
+};
+
+/// "fp32", "bf16-autocast", "bf16".
+const char* precision_name(Precision precision);
+/// Parses a precision_name(). Throws c10::Error naming `name` otherwise.
+Precision parse_precision(const std::string& name);
+
+/// What `train()` runs. Defaults reproduce the seed's capstone.
+struct TrainerOptions {
+  TORCH_ARG(TransformerOptions, model) = {};
+  /// "adamw", "adam" or "sgd" (momentum 0.9).
+  TORCH_ARG(std::string, optimizer) = "adamw";
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(Precision, precision) = Precision::kFp32;
+  /// "cpu" or "cuda[:i]".
+  TORCH_ARG(std::string, device) = "cpu";
+  /// Audited steps (the first also creates the optimizer state).
+  TORCH_ARG(int64_t, steps) = 2;
+  /// "none", "full", "every_<k>" (every k-th block) or "selective" (save matmuls).
+  TORCH_ARG(std::string, checkpoint) = "none";
+  /// Keep saved activations on the CPU (SaveOnCpuGuard; a no-op on CPU).
+  TORCH_ARG(bool, offload) = false;
+  /// Step each parameter inside backward (OptimizerInBackward).
+  TORCH_ARG(bool, optimizer_in_backward) = false;
+  /// Micro-batches per step; the batch is split into this many equal parts.
+  TORCH_ARG(int64_t, accumulation) = 1;
+  /// Seed of the weights and the data.
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Record the allocator timeline (CPU).
+  TORCH_ARG(bool, timeline) = true;
+  /// Copy the first step's gradients into TrainingRun::grads (after the
+  /// step, so the copies are not in its figures). Not with optimizer_in_backward.
+  TORCH_ARG(bool, keep_grads) = false;
+};
+
+/// Throws c10::Error naming the first bad value of `options` (sizes, names,
+/// a batch that does not split into `accumulation` parts, a device this
+/// LibTorch lacks).
+void check_trainer_options(const TrainerOptions& options);
+
+/// A finished run.
+struct TrainingRun {
+  AuditReport report;               ///< the audit of every step
+  Timeline timeline;                ///< the raw classified events (CPU)
+  std::vector<at::Tensor> grads;    ///< with keep_grads: the first step's gradients (fp32, CPU), in parameters() order
+  std::vector<double> losses;       ///< the loss of each step
+};
+
+/// Trains and audits. `on_step(step, num_steps)` is called after each step
+/// (progress lines). Throws c10::Error on bad options, before any work.
+TrainingRun train(
+    const TrainerOptions& options,
+    const std::function<void(int64_t, int64_t)>& on_step = {});
+
+} // namespace trainmem

@@ -1,0 +1,19 @@
+#pragma once
+// Listeners told when a top-level backward starts and ends on the calling
+// thread (Engine::execute of trainmem's engine, see Note [Phases from the
+// engine]). Used by Audit to split a step into forward, backward and
+// optimizer phases without asking the trainer to mark them.
+#include <cstdint>
+#include <functional>
+
+namespace trainmem::detail {
+
+/// `fn(true)` before and `fn(false)` after each outermost backward on any
+/// thread. Must not throw. Returns an id for remove_backward_listener().
+int64_t add_backward_listener(std::function<void(bool begin)> fn);
+void remove_backward_listener(int64_t id);
+
+/// Makes sure trainmem's engine is the default engine (idempotent).
+void ensure_hooks_engine();
+
+} // namespace trainmem::detail

@@ -1,0 +1,210 @@
+#include "trainmem/audit.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <torch/utils.h>
+
+#include "trainmem/allocator.h"
+
+namespace {
+
+using trainmem::Category;
+using trainmem::Phase;
+
+torch::nn::Sequential seed_mlp() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::GELU(), torch::nn::Linear(256, 32));
+}
+
+constexpr int64_t kMlpParamBytes = 4 * (32 * 256 + 256 + 256 * 32 + 32);  // 66,688
+
+int64_t at_cat(const trainmem::TimelinePoint& p, Category c) {
+  return p.bytes[static_cast<int>(c)];
+}
+
+// The last point at or before `t`.
+trainmem::TimelinePoint point_at(const std::vector<trainmem::TimelinePoint>& series, int64_t t) {
+  trainmem::TimelinePoint best = series.front();
+  for (const auto& p : series) {
+    if (p.time_ns > t) {
+      break;
+    }
+    best = p;
+  }
+  return best;
+}
+
+void train_step(torch::nn::Sequential& mlp, torch::optim::SGD& opt, trainmem::Audit& audit, int micro_batches = 1) {
+  auto step = audit.step();
+  opt.zero_grad();
+  for (int i = 0; i < micro_batches; ++i) {
+    auto x = torch::randn({16, 32});
+    audit.mark_input(x);
+    auto loss = mlp->forward(x).pow(2).sum();
+    loss.backward();
+  }
+  opt.step();
+}
+
+// Seed fence 3 through the audit: the meter's exact saved bytes, the static
+// buckets, the phases, and a timeline whose categories and peak agree with
+// the allocator byte for byte.
+TEST(AuditTest, SeedMlpStepIsExplainedByteForByte) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  trainmem::Audit audit(*mlp, &opt);
+  train_step(mlp, opt, audit);
+  const int64_t live_after = tracker.stats().allocated_bytes;
+
+  const auto r = audit.report();
+  EXPECT_EQ(r.saved_activation_bytes, 36864);
+  EXPECT_EQ(r.num_params, 16672);
+  ASSERT_EQ(r.buckets.size(), 3u);
+  EXPECT_EQ(r.buckets[0].bytes, kMlpParamBytes);  // parameters
+  EXPECT_EQ(r.buckets[1].bytes, kMlpParamBytes);  // gradients
+  EXPECT_EQ(r.buckets[2].name, "optimizer state (momentum_buffer)");
+  EXPECT_EQ(r.buckets[2].bytes, kMlpParamBytes);
+
+  ASSERT_EQ(r.phases.size(), 3u);
+  EXPECT_EQ(r.phases[0].phase, Phase::kForward);
+  EXPECT_EQ(r.phases[1].phase, Phase::kBackward);
+  EXPECT_EQ(r.phases[2].phase, Phase::kOptimizerStep);
+
+  const auto& t = audit.timeline();
+  const auto all = trainmem::live_bytes(t);
+  // The series ends where the allocator is, and its top is the step's peak.
+  EXPECT_EQ(all.back().total_bytes(), live_after);
+  int64_t top = 0;
+  for (const auto& p : all) {
+    top = std::max(top, p.total_bytes());
+  }
+  ASSERT_EQ(r.steps.size(), 1u);
+  EXPECT_EQ(top, r.steps[0].peak_bytes);
+  EXPECT_EQ(r.peak_bytes, r.steps[0].peak_bytes);
+  EXPECT_EQ(r.peak_by_category[static_cast<int>(Category::kParameter)], kMlpParamBytes);
+
+  // When backward starts: the saved tensors less x (INPUT), plus the loss.
+  const auto before_backward = point_at(all, r.phases[1].begin_ns);
+  EXPECT_EQ(at_cat(before_backward, Category::kActivation), 36864 - 16 * 32 * 4 + 4);
+  EXPECT_EQ(at_cat(before_backward, Category::kInput), 16 * 32 * 4);
+  // At the end: the new gradients and momentum buffers are named as such.
+  EXPECT_EQ(at_cat(all.back(), Category::kGradient), kMlpParamBytes);
+  EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), kMlpParamBytes);
+  EXPECT_EQ(at_cat(all.back(), Category::kActivation), 0);
+}
+
+TEST(AuditTest, SecondStepFreesLastStepsGradientsAsGradients) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  trainmem::Audit audit(*mlp, &opt);
+  train_step(mlp, opt, audit);
+  train_step(mlp, opt, audit);
+  const auto all = trainmem::live_bytes(audit.timeline());
+  // zero_grad() of step 1 frees step 0's gradients; step 1 makes new ones.
+  EXPECT_EQ(at_cat(all.back(), Category::kGradient), kMlpParamBytes);
+  EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), kMlpParamBytes);
+  for (const auto& p : all) {
+    for (auto b : p.bytes) {
+      ASSERT_GE(b, 0) << "a category went negative at " << p.time_ns;
+    }
+  }
+  EXPECT_EQ(audit.num_steps(), 2);
+  EXPECT_EQ(audit.report().phases.size(), 6u);
+}
+
+TEST(AuditTest, AccumulationAlternatesForwardAndBackward) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  trainmem::Audit audit(*mlp, &opt);
+  train_step(mlp, opt, audit, 3);
+  const auto r = audit.report();
+  std::vector<Phase> phases;
+  for (const auto& p : r.phases) {
+    phases.push_back(p.phase);
+  }
+  const std::vector<Phase> expected = {Phase::kForward, Phase::kBackward, Phase::kForward, Phase::kBackward,
+                                       Phase::kForward, Phase::kBackward, Phase::kOptimizerStep};
+  EXPECT_EQ(phases, expected);
+  // Saved bytes are one micro-batch's, not three.
+  EXPECT_EQ(r.saved_activation_bytes, 36864);
+  EXPECT_EQ(r.steps[0].saved_activation_bytes, 36864);
+}
+
+TEST(AuditTest, GradientsAreBitIdenticalWithAndWithoutAudit) {
+  trainmem::CpuMemoryTracker::install();
+  auto run = [](bool audited) {
+    auto mlp = seed_mlp();
+    torch::manual_seed(1);
+    auto x = torch::randn({16, 32});
+    std::unique_ptr<trainmem::Audit> audit;
+    if (audited) {
+      audit = std::make_unique<trainmem::Audit>(*mlp);
+      audit->begin_step();
+    }
+    mlp->forward(x).pow(2).sum().backward();
+    if (audited) {
+      audit->end_step();
+    }
+    std::vector<at::Tensor> g;
+    for (const auto& p : mlp->parameters()) {
+      g.push_back(p.grad().clone());
+    }
+    return g;
+  };
+  const auto a = run(false);
+  const auto b = run(true);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
+  }
+}
+
+TEST(AuditTest, MisuseIsAClearError) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  trainmem::Audit audit(*mlp);
+  EXPECT_THROW(audit.end_step(), c10::Error);
+  audit.begin_step();
+  try {
+    audit.begin_step();
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 0 is still open"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(audit.report(), c10::Error);
+  EXPECT_THROW(audit.mark_input(at::Tensor()), c10::Error);
+  audit.end_step();
+  EXPECT_EQ(audit.report().steps.size(), 1u);
+  EXPECT_THROW(trainmem::Audit(*mlp, nullptr, c10::Device(c10::kMeta)), c10::Error);
+  EXPECT_THROW(trainmem::Audit(*mlp, nullptr, c10::Device(c10::kCPU), trainmem::AuditOptions().max_points(1)),
+               c10::Error);
+}
+
+TEST(AuditTest, ForwardOnlyStepHasOnePhase) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  trainmem::Audit audit(*mlp, nullptr, c10::Device(c10::kCPU), trainmem::AuditOptions().timeline(false));
+  {
+    auto step = audit.step();
+    torch::NoGradGuard no_grad;
+    mlp->forward(torch::randn({16, 32}));
+  }
+  const auto r = audit.report();
+  ASSERT_EQ(r.phases.size(), 1u);
+  EXPECT_EQ(r.phases[0].phase, Phase::kForward);
+  EXPECT_GT(r.steps[0].forward_peak_bytes, 0);
+  EXPECT_EQ(r.steps[0].backward_peak_bytes, 0);
+  EXPECT_TRUE(audit.timeline().events.empty());
+  EXPECT_EQ(r.saved_activation_bytes, 0);
+}
+
+} // namespace
