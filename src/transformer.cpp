@@ -80,7 +80,7 @@ torch::Tensor TransformerImpl::forward(torch::Tensor x, const BlockCheckpointing
               plan.blocks.size(), " blocks, but the model has ", options.num_layers());
   for (int64_t i = 0; i < options.num_layers(); ++i) {
     auto b = block(i);
-    x = plan.blocks[i] ? checkpoint(b, x, plan.options) : b->forward(x);
+    x = plan.blocks[i] ? checkpoint(b, x, plan.options_for(i)) : b->forward(x);
   }
   return x;
 }
@@ -123,6 +123,26 @@ BlockCheckpointing BlockCheckpointing::chosen(int64_t n, const std::vector<int64
   }
   p.name = which.empty() ? "none" : "chosen";
   return p;
+}
+
+const CheckpointOptions& BlockCheckpointing::options_for(int64_t i) const {
+  TORCH_CHECK(block_options.empty() || block_options.size() == blocks.size(),
+              "BlockCheckpointing: block_options has ", block_options.size(),
+              " entries, expected 0 or ", blocks.size());
+  return block_options.empty() ? options : block_options.at(i);
+}
+
+BlockCheckpointing& BlockCheckpointing::set_block_policy(int64_t i, SelectivePolicy policy) {
+  const auto n = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(i >= 0 && i < n, "BlockCheckpointing::set_block_policy: block ", i,
+              " is out of range [0, ", n, ")");
+  if (block_options.empty()) {
+    block_options.assign(blocks.size(), options);
+  }
+  blocks[i] = true;
+  block_options[i] = options;
+  block_options[i].context_fn(create_selective_checkpoint_contexts(std::move(policy)));
+  return *this;
 }
 
 TransformerBlock TransformerImpl::block(int64_t i) const {
@@ -181,6 +201,7 @@ VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheck
   loss = at::Tensor();
   if (window) {
     run.peak_bytes = window->peak_bytes();
+    run.peak_above_start_bytes = window->peak_bytes() - window->start_bytes();
   }
   for (auto& p : model->parameters()) {
     run.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());

@@ -11,6 +11,7 @@
 #include "trainmem/meter.h"
 #include "trainmem/offload.h"
 #include "trainmem/optimizer_in_backward.h"
+#include "trainmem/planner.h"
 #include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 #include "trainmem/version.h"

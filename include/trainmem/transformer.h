@@ -50,7 +50,18 @@ struct TransformerOptions {
 struct BlockCheckpointing {
   std::vector<bool> blocks;       ///< blocks[i]: checkpoint block i
   CheckpointOptions options;      ///< options of each checkpoint call
+  /// Empty (every checkpointed block uses `options`), or one entry per block:
+  /// the options of block i's checkpoint call (a selective policy per block).
+  std::vector<CheckpointOptions> block_options;
   std::string name = "none";      ///< "none", "full", "every_2", "selective"...
+
+  /// The options block i is checkpointed with: block_options[i] when set,
+  /// else `options`.
+  const CheckpointOptions& options_for(int64_t i) const;
+  /// Checkpoints block i selectively under `policy` (its cache holds what the
+  /// policy saves; the rest is recomputed), leaving the other blocks as they
+  /// are. Throws if i is out of range.
+  BlockCheckpointing& set_block_policy(int64_t i, SelectivePolicy policy);
 
   /// No checkpointing.
   static BlockCheckpointing none(int64_t num_layers);
@@ -130,6 +141,10 @@ struct VariantRun {
   /// CPU peak live bytes of the step (forward and backward), from the
   /// CpuMemoryTracker; -1 when the tracker is not installed.
   int64_t peak_bytes = -1;
+  /// peak_bytes less the live bytes when the step started: what the step
+  /// itself added, in bytes (peak_bytes also counts whatever else is alive,
+  /// e.g. the gradient clones of earlier VariantRuns); -1 without the tracker.
+  int64_t peak_above_start_bytes = -1;
 };
 
 /// Runs one metered step of `model` on `x` under `plan`. Gradients are

@@ -1,0 +1,287 @@
+#pragma once
+/// \file planner.h
+/// Plan before running: how many bytes a training step will need, predicted
+/// three ways, and the cheapest checkpointing that fits a memory budget.
+///
+/// - analytic_activation_bytes(): Korthikanti et al.'s per-layer count
+///   (34 s b h + 5 a s^2 b in fp16 with dropout) and the seed's fp32 / SDPA /
+///   no-dropout form (64 T B d bytes), term by term.
+/// - predict_saved_activations(), predict_step_peak(): the forward (and the
+///   whole step) run on meta tensors, so no data is touched: the exact bytes
+///   autograd saves, and the step's peak from a counting meta allocator.
+/// - plan_checkpointing(): per-block choices (store, checkpoint, selective
+///   with a per-op knapsack) that meet a budget for the whole step's peak at
+///   the least recompute; the result is a BlockCheckpointing that
+///   Transformer::forward takes directly.
+///
+/// Example:
+/// ```
+/// trainmem::TransformerOptions o;                        // the capstone
+/// auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(40 << 20));
+/// std::cout << trainmem::to_string(plan);                // blocks, peak, recompute FLOPs
+/// auto y = model->forward(x, plan.checkpointing());
+/// ```
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include "trainmem/meter.h"
+#include "trainmem/selective.h"
+#include "trainmem/transformer.h"
+
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
+namespace torch::optim {
+class Optimizer;
+} // namespace torch::optim
+
+namespace trainmem {
+
+// ---------------------------------------------------------------------------
+// The analytic activation model
+
+/// The setting of an analytic activation count.
+///
+/// Example:
+/// ```
+/// auto fp16 = trainmem::AnalyticActivationOptions::korthikanti();   // 34 s b h + 5 a s^2 b
+/// ```
+struct AnalyticActivationOptions {
+  /// Korthikanti et al.'s setting: fp16, dropout, eager attention.
+  static AnalyticActivationOptions korthikanti() {
+    return AnalyticActivationOptions().element_bytes(2).dropout(true).flash_attention(false);
+  }
+
+  /// Bytes per activation element: 4 (fp32), 2 (fp16 / bf16).
+  TORCH_ARG(int64_t, element_bytes) = 4;
+  /// Dropout after attention's softmax, the projection and the MLP: 1-byte
+  /// masks are saved (and the dropped attention probabilities).
+  TORCH_ARG(bool, dropout) = false;
+  /// Fused (flash-style) attention: the (B, H, T, T) scores are recomputed in
+  /// backward, not saved.
+  TORCH_ARG(bool, flash_attention) = true;
+
+};
+
+/// An analytic activation count with its terms shown. Plain data.
+struct AnalyticActivations {
+  /// What each term is and its bytes over all layers (term bytes sum to total_bytes).
+  std::vector<ActivationTerm> terms;
+  int64_t per_layer_bytes = 0; ///< one block, in bytes
+  int64_t total_bytes = 0;     ///< all blocks, in bytes
+  /// The formula with its values, e.g. "s b h (16 x 4 B) = 8,388,608 B per layer".
+  std::string formula;
+};
+
+/// Per-layer saved activations of the reference block under `options`, over
+/// `model.num_layers()` layers, with s, b, h, a = seq_len, batch, d_model,
+/// num_heads: (16 e + 2 [masks]) s b h + a s^2 b (e [softmax] + 1 + e
+/// [dropout mask and output]) bytes, e the element size. Korthikanti et al.'s
+/// 34 s b h + 5 a s^2 b at e = 2 with dropout and eager attention; the seed's
+/// 64 s b h at e = 4, no dropout, fused attention (50,331,648 B for the
+/// capstone). Not counted (see estimate_activation_bytes for the exact count):
+/// LayerNorm's mean and rstd, fused attention's log-sum-exp, the loss.
+AnalyticActivations analytic_activation_bytes(
+    const TransformerOptions& model,
+    const AnalyticActivationOptions& options = {});
+
+// ---------------------------------------------------------------------------
+// Exact predictions on the meta device
+
+/// Registers meta kernels for the CPU ops LibTorch leaves to Python's meta
+/// registrations (CPU flash attention forward and backward, LayerNorm forward
+/// and backward) with the CPU kernels' output layouts, and makes
+/// `scaled_dot_product_attention` on meta tensors choose the backend the CPU
+/// would, so a forward on meta saves exactly what it saves on CPU.
+/// Idempotent; the predict functions call it. Throws if the registration fails.
+void enable_cpu_meta_kernels();
+
+/// Runs `forward` (which must build its inputs on the meta device and return
+/// its output or loss) under a SavedTensorMeter that excludes `module`'s
+/// parameters, with no data touched: the exact bytes autograd would save on
+/// CPU. Throws, naming it, if a parameter of `module` is not on the meta
+/// device (move the module with to_meta() first).
+///
+/// Example:
+/// ```
+/// trainmem::Transformer model(o);
+/// trainmem::to_meta(*model);
+/// auto r = trainmem::predict_saved_activations(*model, [&] {
+///   return model->forward(torch::empty({16, 64, 128}, at::kMeta), plan).pow(2).mean(); });
+/// r.saved_bytes;   // 51,052,544 for plan = none
+/// ```
+SavedTensorReport predict_saved_activations(
+    const torch::nn::Module& module,
+    const std::function<at::Tensor()>& forward);
+
+/// The phase of a training step.
+enum class StepPhase { kForward, kBackward, kOptimizerStep };
+
+/// "forward", "backward", "optimizer step".
+std::string to_string(StepPhase phase);
+
+/// A training step's peak, split as static buckets + the activations live at
+/// the start of backward + the largest transient. Plain data; all in bytes.
+struct StepPeak {
+  int64_t param_bytes = 0;           ///< parameters (live all step)
+  int64_t optimizer_state_bytes = 0; ///< optimizer state (live all step)
+  /// Gradients live when the peak is reached (all of them in the optimizer
+  /// step, those of the blocks already done in backward); -1 if unknown.
+  int64_t grad_bytes = 0;
+  /// Saved for backward at the end of the forward (the meter's count, the
+  /// selective checkpoint caches included).
+  int64_t activation_bytes = 0;
+  /// The rest of the peak: recomputed activations, gradient buffers,
+  /// temporaries (peak_bytes - the terms above; in backward the activations
+  /// already freed make it smaller than the true transient). -1 if unknown.
+  int64_t transient_bytes = 0;
+  int64_t peak_bytes = 0;            ///< the step's peak live bytes
+  StepPhase phase = StepPhase::kBackward; ///< where the peak is
+  int64_t forward_peak_bytes = 0;    ///< highest live bytes in forward
+  int64_t backward_peak_bytes = 0;   ///< highest live bytes in backward
+  int64_t optimizer_peak_bytes = 0;  ///< highest in the optimizer step (0 without one)
+};
+
+/// Predicts the peak of one training step (zero_grad to none, `loss_fn()`,
+/// backward, `optimizer->step()` when given) by running it on meta tensors
+/// under a counting meta allocator: no data is touched. With an optimizer the
+/// step runs twice and the second is reported (optimizer state exists, as in a
+/// training loop). `loss_fn` must build its inputs on meta (they count in the
+/// step) and return a scalar. Counts what goes through the allocator:
+/// kernels' internal scratch (oneDNN, BLAS) and allocator rounding are not
+/// seen. Throws, naming it, if a parameter is not on meta.
+StepPeak predict_step_peak(
+    torch::nn::Module& module,
+    const std::function<at::Tensor()>& loss_fn,
+    torch::optim::Optimizer* optimizer = nullptr);
+
+/// The same step run for real on CPU, measured by the CpuMemoryTracker (which
+/// must be installed): peak_bytes is the static buckets plus the highest live
+/// bytes above the step's start (so bytes live before the step that are not
+/// the module's or the optimizer's do not count). grad_bytes and
+/// transient_bytes are -1 (the allocator does not know what a block is).
+StepPeak measure_step_peak(
+    torch::nn::Module& module,
+    const std::function<at::Tensor()>& loss_fn,
+    torch::optim::Optimizer* optimizer = nullptr);
+
+/// Text: the peak, its phase and its terms.
+std::string to_string(const StepPeak& peak);
+
+// ---------------------------------------------------------------------------
+// The checkpoint planner
+
+/// The cost of recomputing one op (any unit; FLOPs or seconds), from the op
+/// and its inputs. Must not throw.
+using OpCostFn = std::function<double(const SelectiveOp& op)>;
+
+/// FLOPs of an op from its input shapes: 2 m k n for mm (+ m n for addmm),
+/// 2 b m k n for bmm / baddbmm, 4 B H T S hd for attention (half when
+/// causal), 0 for views and metadata ops, and one per element of the largest
+/// input tensor for everything else.
+double flop_cost(const SelectiveOp& op);
+
+/// How a planned block runs.
+enum class BlockMode {
+  kStore,      ///< no checkpoint: everything saved
+  kCheckpoint, ///< checkpointed: only its input saved, all recomputed
+  kSelective,  ///< checkpointed selectively: `saved_ops` cached, the rest recomputed
+};
+
+/// "store", "checkpoint", "selective".
+std::string to_string(BlockMode mode);
+
+/// One block of a plan, with what it costs. Plain data.
+struct BlockChoice {
+  BlockMode mode = BlockMode::kStore;
+  /// kSelective: the op calls whose outputs are cached, as
+  /// "aten::mm.default#2" (the third call of that op in the block's forward).
+  std::vector<std::string> saved_ops;
+  /// Bytes the block keeps from its forward to its backward (its input
+  /// included), in bytes.
+  int64_t stored_bytes = 0;
+  /// Highest live bytes above the stored ones while the block's backward
+  /// (and recompute) runs, its parameters' gradients included, in bytes.
+  int64_t backward_transient_bytes = 0;
+  /// Highest live bytes above the blocks before it during its forward (its
+  /// input and output included), in bytes.
+  int64_t forward_peak_bytes = 0;
+  /// What its recompute costs, in the unit of the planner's OpCostFn.
+  double recompute_cost = 0;
+};
+
+/// The policy that caches exactly the listed op calls ("aten::mm.default#0",
+/// the first mm of the region; calls are counted per region and per pass)
+/// and recomputes the rest.
+SelectivePolicy save_op_calls_policy(std::vector<std::string> op_calls);
+
+/// Options of plan_checkpointing.
+///
+/// Example:
+/// ```
+/// auto opts = trainmem::PlanOptions().budget_bytes(40 << 20).selective(false);
+/// ```
+struct PlanOptions {
+  /// The whole step's peak must not exceed this, in bytes (static buckets,
+  /// activations, recompute and optimizer transients). 0: no limit.
+  TORCH_ARG(int64_t, budget_bytes) = 0;
+  /// The cost of recomputing an op (FLOPs by default; a measured time works).
+  TORCH_ARG(OpCostFn, op_cost) = flop_cost;
+  /// Also consider per-op selective choices inside blocks (else whole blocks
+  /// only: store or checkpoint).
+  TORCH_ARG(bool, selective) = true;
+  /// The step includes an AdamW step (its state, 8 B per parameter, is live
+  /// all step, and its transients count).
+  TORCH_ARG(bool, adamw) = true;
+};
+
+/// A checkpointing plan for the reference Transformer. Plain data.
+struct CheckpointPlan {
+  /// True when predicted_peak_bytes fits the budget. When false, `blocks` is
+  /// the plan with the smallest reachable peak.
+  bool feasible = false;
+  int64_t budget_bytes = 0;            ///< the budget asked for (0: none)
+  std::vector<BlockChoice> blocks;     ///< one per layer, in order
+  std::string name;                    ///< "none", "full", "every_2", "chosen", "selective"...
+  int64_t predicted_peak_bytes = 0;    ///< the step's predicted peak, in bytes
+  StepPhase peak_phase = StepPhase::kBackward; ///< where that peak is
+  int64_t static_bytes = 0;            ///< parameters + optimizer state + input, in bytes
+  int64_t grad_bytes = 0;              ///< the gradient bucket, in bytes
+  /// Stored at the start of backward (the input included, as the meter counts it), in bytes.
+  int64_t activation_bytes = 0;
+  double recompute_cost = 0;           ///< sum over blocks, in the OpCostFn's unit
+  double forward_cost = 0;             ///< one forward of all blocks, same unit
+  int64_t min_peak_bytes = 0;          ///< the smallest peak any plan reaches, in bytes
+  double min_peak_cost = 0;            ///< the least recompute that reaches it
+  int64_t num_candidates = 0;          ///< per-block choices the planner weighed
+
+  /// The plan as Transformer::forward takes it.
+  BlockCheckpointing checkpointing() const;
+};
+
+/// Chooses, per block, store / checkpoint / selective (which op outputs to
+/// cache) so the predicted peak of a training step of the reference
+/// Transformer (forward, loss out.pow(2).mean(), backward, AdamW step) fits
+/// `options.budget_bytes()` at the least recompute cost.
+///
+/// Each block choice is profiled once on meta (its stored bytes, forward
+/// peak, backward transient and recompute cost); selective candidates are
+/// the prefixes of the block's op calls ranked by recompute cost per byte
+/// saved (a greedy knapsack, as PyTorch's SAC estimator ranks ops); a dynamic
+/// program over the blocks (states: bytes stored so far, Pareto-pruned)
+/// finds the cheapest plan whose every phase fits. Ties in cost go to the
+/// smaller peak, so raising the budget never raises the recompute cost and
+/// lowering it never raises the peak. A budget no plan meets gives
+/// feasible = false with the smallest reachable peak and its cost.
+CheckpointPlan plan_checkpointing(const TransformerOptions& model, const PlanOptions& options = {});
+
+/// Text: the plan block by block, its predicted peak and recompute cost.
+std::string to_string(const CheckpointPlan& plan);
+
+} // namespace trainmem

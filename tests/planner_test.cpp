@@ -1,0 +1,282 @@
+// Plan before running: the analytic activation model, exact predictions on
+// meta (saved bytes and the step's peak) against the CPU's measurements, and
+// the checkpoint planner (budget met at least cost, monotone over budgets).
+#include <limits>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include "trainmem/allocator.h"
+#include "trainmem/checkpoint.h"
+#include "trainmem/meta.h"
+#include "trainmem/meter.h"
+#include "trainmem/planner.h"
+#include "trainmem/selective.h"
+#include "trainmem/transformer.h"
+
+namespace {
+
+using trainmem::BlockCheckpointing;
+using trainmem::TransformerOptions;
+
+std::vector<BlockCheckpointing> four_variants(int64_t L) {
+  return {BlockCheckpointing::none(L), BlockCheckpointing::full(L), BlockCheckpointing::every(L, 2),
+          BlockCheckpointing::selective(L, trainmem::save_matmuls_policy())};
+}
+
+TEST(PlannerTest, AnalyticModelGivesTheSeedsAndKorthikantisFigures) {
+  TransformerOptions o;  // the capstone
+  const auto seed = trainmem::analytic_activation_bytes(o);
+  EXPECT_EQ(seed.total_bytes, 50331648);
+  EXPECT_EQ(seed.total_bytes, trainmem::predicted_activation_bytes(o));
+  EXPECT_EQ(seed.per_layer_bytes, 64 * o.seq_len() * o.batch() * o.d_model());
+  int64_t sum = 0;
+  for (const auto& t : seed.terms) sum += t.bytes;
+  EXPECT_EQ(sum, seed.total_bytes);
+  // The exact count adds LayerNorm's mean/rstd, SDPA's log-sum-exp, the loss input.
+  EXPECT_EQ(trainmem::estimate_activation_bytes(o).total_bytes - seed.total_bytes,
+            4 * 4 * 16 * 64 * 6 + 4 * 16 * 4 * 64 * 6 + 4 * 16 * 64 * 128);
+
+  // Korthikanti et al.: 34 s b h + 5 a s^2 b bytes per layer (fp16, dropout, eager).
+  const auto k = trainmem::analytic_activation_bytes(o, trainmem::AnalyticActivationOptions::korthikanti());
+  const int64_t s = 64, b = 16, h = 128, a = 4;
+  EXPECT_EQ(k.per_layer_bytes, 34 * s * b * h + 5 * a * s * s * b);
+  EXPECT_EQ(k.per_layer_bytes, 5767168);
+  EXPECT_EQ(k.total_bytes, 6 * 5767168);
+  // fp16, no dropout, fused attention: 32 bytes per token-channel.
+  const auto f16 = trainmem::analytic_activation_bytes(o, trainmem::AnalyticActivationOptions().element_bytes(2));
+  EXPECT_EQ(f16.per_layer_bytes, 32 * s * b * h);
+  EXPECT_THROW(trainmem::analytic_activation_bytes(o, trainmem::AnalyticActivationOptions().element_bytes(0)),
+               c10::Error);
+}
+
+TEST(PlannerTest, MetaForwardSavesExactlyWhatTheCpuSaves) {
+  torch::manual_seed(0);
+  TransformerOptions o;
+  const int64_t L = o.num_layers();
+  trainmem::Transformer cpu(o);
+  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  trainmem::Transformer meta(o);
+  trainmem::to_meta(*meta);
+  const std::vector<int64_t> expected = {51052544, 3670016, 27361280, 31981568};
+  const auto plans = four_variants(L);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const auto measured = trainmem::run_variant(cpu, x, plans[i]).saved;
+    const auto predicted = trainmem::predict_saved_activations(*meta, [&] {
+      return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta), plans[i])
+          .pow(2)
+          .mean();
+    });
+    EXPECT_EQ(predicted.saved_bytes, expected[i]) << plans[i].name << "\n" << trainmem::to_string(predicted);
+    EXPECT_EQ(predicted.saved_bytes, measured.saved_bytes) << plans[i].name;
+    EXPECT_EQ(predicted.num_storages, measured.num_storages) << plans[i].name;
+  }
+  EXPECT_THROW(trainmem::predict_saved_activations(*cpu, [&] { return cpu->forward(x); }), c10::Error);
+}
+
+// A stack of residual MLP blocks (seed 001's shape, scaled down).
+struct MlpStackImpl : torch::nn::Module {
+  MlpStackImpl(int64_t n, int64_t d) {
+    for (int64_t i = 0; i < n; ++i) {
+      up.push_back(register_module("up" + std::to_string(i), torch::nn::Linear(d, 4 * d)));
+      down.push_back(register_module("down" + std::to_string(i), torch::nn::Linear(4 * d, d)));
+    }
+  }
+  at::Tensor block(size_t i, const at::Tensor& x) {
+    return x + down[i]->forward(at::gelu(up[i]->forward(x)));
+  }
+  at::Tensor forward(at::Tensor x, bool ckpt) {
+    for (size_t i = 0; i < up.size(); ++i) {
+      x = ckpt ? trainmem::checkpoint([this, i](const at::Tensor& t) { return block(i, t); }, x)
+               : block(i, x);
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> up, down;
+};
+TORCH_MODULE(MlpStack);
+
+TEST(PlannerTest, MetaForwardOfAnMlpStackMatchesTheCpu) {
+  torch::manual_seed(0);
+  MlpStack cpu(4, 256), meta(4, 256);
+  trainmem::to_meta(*meta);
+  for (bool ckpt : {false, true}) {
+    trainmem::SavedTensorMeter meter(*cpu);
+    {
+      trainmem::SavedTensorMeterGuard scope(meter);
+      auto loss = cpu->forward(torch::randn({512, 256}), ckpt).pow(2).mean();
+    }
+    const auto predicted = trainmem::predict_saved_activations(*meta, [&] {
+      return meta->forward(at::empty({512, 256}, at::kMeta), ckpt).pow(2).mean();
+    });
+    EXPECT_EQ(predicted.saved_bytes, meter.report().saved_bytes) << "checkpointed " << ckpt;
+    // Per block: input, up output (GELU input), GELU output; plus the loss input.
+    const int64_t u = 512 * 256 * 4;
+    EXPECT_EQ(predicted.saved_bytes, ckpt ? 5 * u : 4 * (1 + 4 + 4) * u + u);
+  }
+}
+
+// Measured and predicted step peaks (AdamW, second step), printed side by side.
+TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  TransformerOptions o;
+  const int64_t L = o.num_layers();
+  trainmem::Transformer cpu(o);
+  torch::optim::AdamW cpu_opt(cpu->parameters(), torch::optim::AdamWOptions(1e-3));
+  trainmem::Transformer meta(o);
+  trainmem::to_meta(*meta);
+  torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  for (const auto& plan : four_variants(L)) {
+    const auto measured = trainmem::measure_step_peak(*cpu, [&] {
+      return cpu->forward(torch::randn({o.batch(), o.seq_len(), o.d_model()}), plan).pow(2).mean();
+    }, &cpu_opt);
+    const auto predicted = trainmem::predict_step_peak(*meta, [&] {
+      return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta), plan)
+          .pow(2)
+          .mean();
+    }, &meta_opt);
+    const double err = static_cast<double>(predicted.peak_bytes - measured.peak_bytes) /
+        static_cast<double>(measured.peak_bytes);
+    std::cout << plan.name << ": predicted " << predicted.peak_bytes << " B (" << to_string(predicted.phase)
+              << "), measured " << measured.peak_bytes << " B (" << to_string(measured.phase)
+              << "), error " << 100.0 * err << " %\n"
+              << trainmem::to_string(predicted) << "measured:\n" << trainmem::to_string(measured);
+    EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes) << plan.name;
+    EXPECT_LT(std::abs(err), 0.05) << plan.name;
+  }
+}
+
+// The planner's composed prediction equals the whole step simulated on meta
+// for the four variants (to the loss scalar's 4 bytes), and the whole-block
+// plans it reaches are the seed's.
+TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllButTheLast) {
+  TransformerOptions o;
+  const auto plan = trainmem::plan_checkpointing(o);
+  std::cout << trainmem::to_string(plan);
+  EXPECT_TRUE(plan.feasible);
+  EXPECT_EQ(plan.name, "none");
+  EXPECT_EQ(plan.recompute_cost, 0.0);
+  EXPECT_EQ(plan.activation_bytes, 51052544);  // the meter's count, from the block profiles
+  EXPECT_EQ(plan.static_bytes, 4758528 + 2 * 4758528 + 524288);
+  // The step simulated on meta peaks at 67,687,944 B (the loss scalar's 4 B more).
+  EXPECT_EQ(plan.predicted_peak_bytes, 67687940);
+  EXPECT_EQ(plan.peak_phase, trainmem::StepPhase::kBackward);
+  // The smallest peak: every block checkpointed but the last (its backward
+  // comes first, with nothing else to free): the whole step simulated on
+  // meta gives full 29,546,504 B, the same.
+  EXPECT_EQ(plan.min_peak_bytes, 29546500);
+  const auto tight = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(plan.min_peak_bytes));
+  ASSERT_TRUE(tight.feasible);
+  for (int64_t i = 0; i + 1 < o.num_layers(); ++i) {
+    EXPECT_EQ(tight.blocks[i].mode, trainmem::BlockMode::kCheckpoint) << i;
+  }
+  EXPECT_EQ(tight.blocks.back().mode, trainmem::BlockMode::kStore);
+  EXPECT_EQ(tight.recompute_cost, plan.min_peak_cost);
+}
+
+TEST(PlannerTest, ImpossibleBudgetSaysTheSmallestReachablePeakAndItsCost) {
+  TransformerOptions o;
+  const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(20 << 20));
+  EXPECT_FALSE(plan.feasible);
+  EXPECT_EQ(plan.min_peak_bytes, 29546500);
+  EXPECT_EQ(plan.predicted_peak_bytes, plan.min_peak_bytes);  // the plan given is that one
+  EXPECT_EQ(plan.recompute_cost, plan.min_peak_cost);
+  EXPECT_GT(plan.min_peak_cost, 0.0);
+  EXPECT_NE(trainmem::to_string(plan).find("NO PLAN FITS"), std::string::npos);
+  EXPECT_THROW(trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(-1)), c10::Error);
+}
+
+// Raising the budget never raises the recompute cost; lowering it never
+// raises the peak; every plan fits its budget.
+TEST(PlannerTest, PlansAreMonotoneInTheBudget) {
+  TransformerOptions o;
+  double last_cost = std::numeric_limits<double>::infinity();
+  int64_t last_peak = 0;
+  int num_feasible = 0;
+  std::set<std::string> names;
+  for (int64_t mib = 26; mib <= 68; mib += 3) {
+    const int64_t budget = mib << 20;
+    for (bool selective : {true, false}) {
+      const auto plan = trainmem::plan_checkpointing(
+          o, trainmem::PlanOptions().budget_bytes(budget).selective(selective));
+      if (!plan.feasible) {
+        EXPECT_GT(plan.min_peak_bytes, budget);
+        continue;
+      }
+      EXPECT_LE(plan.predicted_peak_bytes, budget) << mib << " MiB";
+      if (selective) {
+        ++num_feasible;
+        names.insert(plan.name);
+        EXPECT_LE(plan.recompute_cost, last_cost) << mib << " MiB";
+        EXPECT_GE(plan.predicted_peak_bytes, last_peak) << mib << " MiB";
+        last_cost = plan.recompute_cost;
+        last_peak = plan.predicted_peak_bytes;
+        std::cout << mib << " MiB: '" << plan.name << "' peak " << plan.predicted_peak_bytes
+                  << " B, recompute " << plan.recompute_cost << " FLOPs\n";
+      }
+    }
+  }
+  EXPECT_GE(num_feasible, 12);
+  EXPECT_GE(names.size(), 2u);  // "mixed" (per-block choices) below 65 MiB, "none" above
+  EXPECT_EQ(last_cost, 0.0);  // 68 MiB fits storing everything
+}
+
+// A planned step, run for real: the measured peak is within 0.5 % of the
+// prediction (the CPU kernels' scratch is the difference) and the gradients
+// are the plain step's.
+TEST(PlannerTest, PlannedStepRunsAsPredicted) {
+  trainmem::CpuMemoryTracker::install();
+  TransformerOptions o;
+  torch::manual_seed(0);
+  trainmem::Transformer model(o);
+  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  const auto plain = trainmem::run_variant(model, x, BlockCheckpointing::none(o.num_layers()));
+  for (int64_t budget : {int64_t{40} << 20, int64_t{32} << 20}) {
+    const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(budget));
+    ASSERT_TRUE(plan.feasible) << budget;
+    const auto checkpointing = plan.checkpointing();
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    const auto measured = trainmem::measure_step_peak(*model, [&] {
+      return model->forward(x.clone(), checkpointing).pow(2).mean();
+    }, &opt);
+    const double err = static_cast<double>(measured.peak_bytes - plan.predicted_peak_bytes) /
+        static_cast<double>(plan.predicted_peak_bytes);
+    std::cout << trainmem::to_string(plan) << "measured " << measured.peak_bytes << " B ("
+              << to_string(measured.phase) << "), " << 100.0 * err << " % from the prediction\n";
+    EXPECT_LT(std::abs(err), 0.005) << budget;
+    EXPECT_EQ(measured.activation_bytes, plan.activation_bytes) << budget;
+    torch::manual_seed(0);
+    trainmem::Transformer fresh(o);
+    const auto run = trainmem::run_variant(fresh, x, checkpointing);
+    EXPECT_LT(trainmem::max_abs_diff(plain.grads, run.grads), 1e-5) << budget;
+  }
+}
+
+TEST(PlannerTest, FlopCostAndOpCallPolicy) {
+  auto a = at::empty({8, 16}, at::kMeta), b = at::empty({16, 32}, at::kMeta);
+  std::vector<c10::IValue> args = {a, b};
+  trainmem::SelectiveOp mm{"aten::mm", "default", args};
+  EXPECT_EQ(trainmem::flop_cost(mm), 2.0 * 8 * 16 * 32);
+  std::vector<c10::IValue> targs = {a, int64_t{0}, int64_t{1}};
+  trainmem::SelectiveOp t{"aten::transpose", "int", targs};
+  EXPECT_EQ(trainmem::flop_cost(t), 0.0);
+  auto policy = trainmem::save_op_calls_policy({"aten::mm.default#1"});
+  trainmem::SelectiveContext fwd{false}, rec{true};
+  EXPECT_EQ(policy(fwd, mm), trainmem::CheckpointPolicy::kPreferRecompute);
+  EXPECT_EQ(policy(fwd, mm), trainmem::CheckpointPolicy::kMustSave);
+  EXPECT_EQ(policy(rec, mm), trainmem::CheckpointPolicy::kPreferRecompute);
+  EXPECT_EQ(policy(rec, mm), trainmem::CheckpointPolicy::kMustSave);
+  auto plan = BlockCheckpointing::none(3).set_block_policy(1, trainmem::save_matmuls_policy());
+  EXPECT_EQ(plan.blocks, (std::vector<bool>{false, true, false}));
+  EXPECT_TRUE(static_cast<bool>(plan.options_for(1).context_fn()));
+  EXPECT_FALSE(static_cast<bool>(plan.options_for(0).context_fn()));
+  EXPECT_THROW(plan.set_block_policy(3, trainmem::save_matmuls_policy()), c10::Error);
+}
+
+} // namespace
