@@ -336,6 +336,9 @@ StaticFormula make_formula(Recipe recipe, int64_t n, std::vector<FormulaTerm> te
   f.recipe = recipe;
   f.num_params = n;
   for (auto& t : terms) {
+    t.bucket = t.shard_first ? Bucket::kOptimizerState
+        : t.name.rfind("gradients", 0) == 0 ? Bucket::kGradients
+                                            : Bucket::kParameters;
     if (t.bytes == 0) {
       t.bytes = static_cast<int64_t>(t.bytes_per_param * static_cast<double>(n));
     }
@@ -391,7 +394,8 @@ StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recip
       const double param_bpp = f.terms.front().bytes_per_param;
       f.terms.insert(f.terms.begin() + 1,
                      FormulaTerm{"frozen parameters", param_bpp,
-                                 static_cast<int64_t>(param_bpp * static_cast<double>(frozen)), false});
+                                 static_cast<int64_t>(param_bpp * static_cast<double>(frozen)), false,
+                                 Bucket::kParameters});
       f.total_bytes += f.terms[1].bytes;
       f.num_params = scan.num_params;
       f.bytes_per_param = static_cast<double>(f.total_bytes) / static_cast<double>(f.num_params);
@@ -448,6 +452,257 @@ std::string to_string(const StaticFormula& f) {
   return fmt::format("{}: P = {} x ({}) = {} B ({:g} B/param)", to_string(f.recipe),
                      with_commas(f.num_params), terms, with_commas(f.total_bytes),
                      f.bytes_per_param);
+}
+
+// Note [Sharded static bytes]
+// ZeRO shards the optimizer-side terms at stage 1, the gradients too at 2 and
+// the parameters too at 3; a rank keeps ceil(P / N) elements of each sharded
+// flat buffer. Offload moves the optimizer-side shards (and, from stage 2, the
+// gradient shard the CPU optimizer reads) to the host. The published formulas
+// are data below, each term marked where its assumptions differ from ours, so
+// a test can reconcile them byte for byte (docs/design.md).
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+bool is_sharded(Bucket bucket, int64_t stage) {
+  switch (bucket) {
+    case Bucket::kOptimizerState: return stage >= 1;
+    case Bucket::kGradients: return stage >= 2;
+    case Bucket::kParameters: return stage >= 3;
+  }
+  return false;
+}
+
+bool is_offloaded(Bucket bucket, const ShardingOptions& o) {
+  switch (bucket) {
+    case Bucket::kOptimizerState: return o.offload_optimizer();
+    case Bucket::kGradients: return o.offload_optimizer() && o.zero_stage() >= 2;
+    case Bucket::kParameters: return o.offload_parameters();
+  }
+  return false;
+}
+
+const char* bucket_name(Bucket b) {
+  switch (b) {
+    case Bucket::kParameters: return "parameters";
+    case Bucket::kGradients: return "gradients";
+    case Bucket::kOptimizerState: return "optimizer state";
+  }
+  return "unknown";
+}
+
+} // namespace
+
+ShardedStatic shard_static_bytes(const StaticFormula& formula, const ShardingOptions& o) {
+  TORCH_CHECK(o.zero_stage() >= 0 && o.zero_stage() <= 3,
+              "shard_static_bytes: expected zero_stage in 0..3, but got ", o.zero_stage());
+  TORCH_CHECK(o.world_size() >= 1, "shard_static_bytes: expected world_size >= 1, but got ",
+              o.world_size());
+  TORCH_CHECK(!o.offload_optimizer() || o.zero_stage() >= 1,
+              "shard_static_bytes: optimizer offload needs zero_stage >= 1, but got ", o.zero_stage());
+  TORCH_CHECK(!o.offload_parameters() || o.zero_stage() == 3,
+              "shard_static_bytes: parameter offload needs zero_stage 3, but got ", o.zero_stage());
+  TORCH_CHECK(o.largest_layer_params() >= 0,
+              "shard_static_bytes: expected largest_layer_params >= 0, but got ",
+              o.largest_layer_params());
+  ShardedStatic r;
+  r.formula = formula;
+  r.options = o;
+  const int64_t n = o.world_size();
+  const int64_t shard_elements = ceil_div(formula.num_params, n);
+  double gather_bytes_per_element = 0;
+  for (const auto& t : formula.terms) {
+    ShardedTerm st;
+    st.name = t.name;
+    st.bucket = t.bucket;
+    st.total_bytes = t.bytes;
+    st.sharded = is_sharded(t.bucket, o.zero_stage());
+    st.on_host = is_offloaded(t.bucket, o);
+    const bool per_element =
+        t.bytes_per_param == static_cast<double>(static_cast<int64_t>(t.bytes_per_param)) &&
+        t.bytes == static_cast<int64_t>(t.bytes_per_param) * formula.num_params;
+    st.bytes_per_rank = !st.sharded ? t.bytes
+        : per_element            ? static_cast<int64_t>(t.bytes_per_param) * shard_elements
+                                 : ceil_div(t.bytes, n);
+    if (t.bucket == Bucket::kParameters && t.name.rfind("frozen", 0) != 0) {
+      gather_bytes_per_element += t.bytes_per_param;
+    } else if (t.bucket == Bucket::kGradients) {
+      gather_bytes_per_element += t.bytes_per_param;
+    }
+    r.terms.push_back(st);
+  }
+  if (o.zero_stage() == 3 && o.largest_layer_params() > 0) {
+    ShardedTerm g;
+    g.name = "gathered largest layer (parameters + gradients)";
+    g.bucket = Bucket::kParameters;
+    g.working = true;
+    g.total_bytes = static_cast<int64_t>(gather_bytes_per_element) * o.largest_layer_params();
+    g.bytes_per_rank = g.total_bytes;
+    r.terms.push_back(g);
+  }
+  for (const auto& t : r.terms) {
+    (t.on_host ? r.host_bytes_per_rank : r.device_bytes_per_rank) += t.bytes_per_rank;
+  }
+  return r;
+}
+
+int64_t largest_layer_params(const torch::nn::Module& module) {
+  int64_t largest = 0;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    std::unordered_set<const c10::TensorImpl*> seen;
+    int64_t own = 0;
+    for (const auto& p : m->parameters(/*recurse=*/false)) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) {
+        own += p.numel();
+      }
+    }
+    largest = std::max(largest, own);
+  }
+  return largest;
+}
+
+std::string to_string(const ShardedStatic& r) {
+  const auto& o = r.options;
+  std::string out = fmt::format(
+      "{}, ZeRO-{} over {} ranks{}{}: {} B per rank on the device, {} B on the host\n",
+      to_string(r.formula.recipe), o.zero_stage(), o.world_size(),
+      o.offload_optimizer() ? ", optimizer offloaded" : "",
+      o.offload_parameters() ? ", parameters offloaded" : "", with_commas(r.device_bytes_per_rank),
+      with_commas(r.host_bytes_per_rank));
+  for (const auto& t : r.terms) {
+    out += fmt::format("  {:<48}{:>20} B  {}{}{}\n", t.name, with_commas(t.bytes_per_rank),
+                       t.working ? "working buffer" : t.sharded ? "sharded" : "replicated",
+                       t.on_host ? ", host" : "", t.working ? "" : fmt::format(" ({})", bucket_name(t.bucket)));
+  }
+  return out;
+}
+
+int64_t PublishedFormula::device_bytes_per_rank(int64_t num_params, int64_t world_size,
+                                                int64_t largest_layer) const {
+  TORCH_CHECK(world_size >= 1, "PublishedFormula: expected world_size >= 1, but got ", world_size);
+  double replicated = 0;
+  double sharded = 0;
+  double layer = 0;
+  for (const auto& t : terms) {
+    if (t.on_host) {
+      continue;
+    }
+    (t.per_largest_layer ? layer : t.sharded ? sharded : replicated) += t.bytes_per_param;
+  }
+  const auto p = static_cast<double>(num_params);
+  return static_cast<int64_t>(replicated * p) + static_cast<int64_t>(sharded * p / static_cast<double>(world_size)) +
+      static_cast<int64_t>(layer * static_cast<double>(largest_layer));
+}
+
+PublishedFormula published_formula(Published which) {
+  // Sentences reused by several formulas.
+  const std::string fp32_grads =
+      "DeepSpeed keeps a 4 B fp32 copy of the gradient partition for the fp32 optimizer; our "
+      "mixed recipe steps from the 2 B gradients and has no such term";
+  const std::string megatron_grads =
+      "Megatron accumulates and all-reduces gradients in fp32 (main_grad, 4 B); our mixed "
+      "recipe keeps 2 B gradients";
+  PublishedFormula f;
+  f.recipe = Recipe::kMixedAdamW;
+  switch (which) {
+    case Published::kZeroPaperStage1:
+    case Published::kZeroPaperStage2:
+    case Published::kZeroPaperStage3: {
+      const int64_t stage = static_cast<int64_t>(which) - static_cast<int64_t>(Published::kZeroPaperStage1) + 1;
+      f.source = fmt::format("Rajbhandari et al. 2020 (ZeRO), stage {}, mixed-precision Adam, K = 12", stage);
+      f.formula = stage == 1 ? "(2 + 2) P + 12 P / N" : stage == 2 ? "2 P + (2 + 12) P / N" : "(2 + 2 + 12) P / N";
+      f.sharding.zero_stage(stage);
+      f.terms = {{"fp16 parameters", 2, stage >= 3, false, false, ""},
+                 {"fp16 gradients", 2, stage >= 2, false, false, ""},
+                 {"optimizer states (fp32 params, momentum, variance), K = 12", 12, true, false, false, ""}};
+      return f;
+    }
+    case Published::kDeepSpeedZero2:
+      f.source = "DeepSpeed estimate_zero2_model_states_mem_needs, cpu_offload=False (GPU figure)";
+      f.formula = "2 P + 18 P / N";
+      f.sharding.zero_stage(2);
+      f.terms = {{"16-bit parameters", 2, false, false, false, ""},
+                 {"16-bit gradients", 2, true, false, false, ""},
+                 {"fp32 gradients", 4, true, false, false, fp32_grads},
+                 {"fp32 parameters", 4, true, false, false, ""},
+                 {"fp32 momentum and variance", 8, true, false, false, ""}};
+      return f;
+    case Published::kDeepSpeedZero2Offload:
+      f.source = "DeepSpeed estimate_zero2_model_states_mem_needs, cpu_offload=True (GPU figure)";
+      f.formula = "2 P (GPU); CPU per node: P x max(4 N, 16) x 1.5";
+      f.sharding.zero_stage(2).offload_optimizer(true);
+      f.terms = {{"16-bit parameters", 2, false, false, false, ""},
+                 {"gradient and optimizer partitions (CPU)", 16, true, true, false,
+                  "DeepSpeed's CPU figure is per node, 16 B/param (fp32 gradients, params, moments) or "
+                  "4 N B/param, times a 1.5 buffer factor; ours is per rank, (2 + 12) P / N, no factor"}};
+      return f;
+    case Published::kDeepSpeedZero3:
+      f.source = "DeepSpeed estimate_zero3_model_states_mem_needs, no offload (GPU figure)";
+      f.formula = "4 x largest layer + 18 P / N";
+      f.sharding.zero_stage(3);
+      f.terms = {{"gathered largest layer: 16-bit params + grads", 4, false, false, true, ""},
+                 {"16-bit parameter partition", 2, true, false, false, ""},
+                 {"fp32 gradient partition", 4, true, false, false,
+                  "DeepSpeed keeps the gradient partition in fp32 (4 B) for the optimizer; ours keeps "
+                  "it at 2 B, the gradients' dtype"},
+                 {"fp32 parameters", 4, true, false, false, ""},
+                 {"fp32 momentum and variance", 8, true, false, false, ""}};
+      return f;
+    case Published::kDeepSpeedZero3OffloadOptimizer:
+      f.source = "DeepSpeed estimate_zero3_model_states_mem_needs, offload optimizer only (GPU figure)";
+      f.formula = "4 x largest layer + 2 P / N";
+      f.sharding.zero_stage(3).offload_optimizer(true);
+      f.terms = {{"gathered largest layer: 16-bit params + grads", 4, false, false, true, ""},
+                 {"16-bit parameter partition", 2, true, false, false, ""},
+                 {"fp32 gradients, params, momentum, variance (CPU)", 16, true, true, false,
+                  "DeepSpeed's CPU figure is 16 B/param per node x 1.5; ours is (2 + 12) P / N per rank"}};
+      return f;
+    case Published::kDeepSpeedZero3OffloadAll:
+      f.source = "DeepSpeed estimate_zero3_model_states_mem_needs, offload optimizer and params (GPU figure)";
+      f.formula = "4 x largest layer";
+      f.sharding.zero_stage(3).offload_optimizer(true).offload_parameters(true);
+      f.terms = {{"gathered largest layer: 16-bit params + grads", 4, false, false, true, ""},
+                 {"everything else (CPU)", 18, true, true, false,
+                  "DeepSpeed's CPU figure is 18 B/param per node x 1.5; ours is 16 P / N per rank"}};
+      return f;
+    case Published::kMegatronBf16Fp32Grads:
+      f.source = "Megatron-LM distributed optimizer guide, float16 param, fp32 grads, non-distributed";
+      f.formula = "18";
+      f.terms = {{"16-bit parameters", 2, false, false, false, ""},
+                 {"fp32 main gradients", 4, false, false, false, megatron_grads},
+                 {"fp32 main params, exp_avg, exp_avg_sq", 12, false, false, false, ""}};
+      return f;
+    case Published::kMegatronDistributedBf16Fp32Grads:
+      f.source = "Megatron-LM distributed optimizer guide, float16 param, fp32 grads";
+      f.formula = "6 + 12 / d";
+      f.sharding.zero_stage(1);
+      f.terms = {{"16-bit parameters", 2, false, false, false, ""},
+                 {"fp32 main gradients", 4, false, false, false, megatron_grads},
+                 {"fp32 main params, exp_avg, exp_avg_sq", 12, true, false, false, ""}};
+      return f;
+    case Published::kMegatronDistributedFp32:
+      f.source = "Megatron-LM distributed optimizer guide, fp32 param, fp32 grads";
+      f.formula = "8 + 8 / d";
+      f.recipe = Recipe::kFp32AdamW;
+      f.sharding.zero_stage(1);
+      f.terms = {{"fp32 parameters", 4, false, false, false, ""},
+                 {"fp32 gradients", 4, false, false, false, ""},
+                 {"exp_avg, exp_avg_sq", 8, true, false, false, ""}};
+      return f;
+  }
+  TORCH_CHECK(false, "published_formula: unknown formula ", static_cast<int>(which));
+}
+
+std::vector<Published> all_published_formulas() {
+  std::vector<Published> out;
+  for (int i = 0; i <= static_cast<int>(Published::kMegatronDistributedFp32); ++i) {
+    out.push_back(static_cast<Published>(i));
+  }
+  return out;
 }
 
 } // namespace trainmem

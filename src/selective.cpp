@@ -1,6 +1,7 @@
 #include "trainmem/selective.h"
 
 #include <deque>
+#include <optional>
 #include <unordered_map>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -8,9 +9,9 @@
 #include <c10/core/DispatchKey.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include "detail/attribution.h"
+#include "detail/intercept.h"
 #include "detail/storage_set.h"
 
 // Note [Selective checkpoint below autograd]
@@ -27,12 +28,13 @@
 // disabled while it handles an op). Cost: one boxed call per op inside
 // selective regions; nothing outside them. If a future LibTorch removes or
 // claims the key, the build (kInterceptKey) or the registration (a clear
-// TORCH_CHECK at first use) fails loudly, never silently.
+// TORCH_CHECK at first use) fails loudly, never silently. The fallback itself
+// is shared with construction on the meta device: detail/intercept.h, Note
+// [One interception key].
 
 namespace trainmem {
 
-// The one place the interception key is chosen.
-constexpr c10::DispatchKey kInterceptKey = c10::DispatchKey::Fake;
+using detail::kInterceptKey;
 
 struct SelectiveAccess {
   static void count(SelectiveCheckpointStats* s, const std::string& op,
@@ -90,18 +92,11 @@ struct RegionState {
   bool is_recompute;
 };
 
-thread_local RegionState* tls_region = nullptr;
-
 bool is_save(CheckpointPolicy p) {
   return p == CheckpointPolicy::kMustSave || p == CheckpointPolicy::kPreferSave;
 }
 bool is_offload(CheckpointPolicy p) {
   return p == CheckpointPolicy::kMustCpuOffload || p == CheckpointPolicy::kPreferCpuOffload;
-}
-
-void run_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
-  op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey), stack);
 }
 
 // Views and in-place ops return aliases of their inputs: never cached.
@@ -200,11 +195,12 @@ void protect_cached_storages(SelectiveCache& c, const c10::FunctionSchema& schem
   }
 }
 
-void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  RegionState* region = tls_region;
+// One op inside a selective region; `scope` runs it further down.
+void selective_handle(RegionState* region, const detail::InterceptScope& scope,
+                      const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
-  if (region == nullptr || schema.name() == "aten::detach" || schema.name() == "prim::device") {
-    run_kernel(op, ks, stack);
+  if (schema.name() == "aten::detach" || schema.name() == "prim::device") {
+    scope.call_next(op, ks, stack);
     return;
   }
   SelectiveCache& c = *region->cache;
@@ -229,7 +225,7 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, t
     if (schema.is_mutable()) {
       protect_cached_storages(c, schema, *stack, num_args);
     }
-    run_kernel(op, ks, stack);
+    scope.call_next(op, ks, stack);
     SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t) { ++n.num_forward; });
     if (!keep) {
       return;
@@ -268,7 +264,7 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, t
   }
 
   if (!keep) {
-    run_kernel(op, ks, stack);
+    scope.call_next(op, ks, stack);
     SelectiveAccess::count(c.stats.get(), key,
                            [](SelectiveOpCounts& n, int64_t) { ++n.num_recompute_executed; });
     return;
@@ -314,25 +310,7 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, t
   SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t) { ++n.num_replayed; });
 }
 
-void register_fallback() {
-  static std::once_flag once;
-  static torch::Library* library = nullptr;
-  static std::string error;
-  std::call_once(once, [] {
-    try {
-      library = new torch::Library(torch::Library::IMPL, "_", kInterceptKey, __FILE__, __LINE__);
-      library->fallback(torch::CppFunction::makeFromBoxedFunction<&selective_fallback>());
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  });
-  TORCH_CHECK(
-      error.empty(),
-      "trainmem selective checkpoint: cannot register the op interceptor on dispatch key ",
-      c10::toString(kInterceptKey), " (is another library using it?): ", error);
-}
-
-class RegionGuard {
+class RegionGuard : public detail::InterceptHandler {
  private:
   // What the region's cache holds once its forward is done, for the meters
   // active on this thread (copies made for in-place ops included, the
@@ -354,16 +332,15 @@ class RegionGuard {
   }
 
  public:
-  RegionGuard(SelectiveCache* cache, bool recompute)
-      : state_{cache, recompute}, previous_(tls_region), include_(kInterceptKey) {
+  RegionGuard(SelectiveCache* cache, bool recompute) : state_{cache, recompute} {
     if (recompute) {
       std::lock_guard<std::mutex> lock(cache->mutex);
       cache->cursor.clear();
     }
-    tls_region = &state_;
+    scope_.emplace(*this);
   }
-  ~RegionGuard() {
-    tls_region = previous_;
+  ~RegionGuard() override {
+    scope_.reset(); // the region ends before its cache is reported
     if (!state_.is_recompute) {
       report_cache();
     }
@@ -371,10 +348,14 @@ class RegionGuard {
   RegionGuard(const RegionGuard&) = delete;
   RegionGuard& operator=(const RegionGuard&) = delete;
 
+  void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op,
+              c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
+    selective_handle(&state_, scope, op, ks, stack);
+  }
+
  private:
   RegionState state_;
-  RegionState* previous_;
-  c10::impl::IncludeDispatchKeyGuard include_;
+  std::optional<detail::InterceptScope> scope_;
 };
 
 } // namespace
@@ -400,7 +381,7 @@ ContextFn create_selective_checkpoint_contexts(
     std::shared_ptr<SelectiveCheckpointStats> stats) {
   TORCH_CHECK(static_cast<bool>(policy),
               "create_selective_checkpoint_contexts: the policy is empty");
-  register_fallback();
+  detail::register_intercept_fallback();
   return [policy = std::move(policy), stats = std::move(stats)]() {
     auto cache = std::make_shared<SelectiveCache>();
     cache->policy = policy;

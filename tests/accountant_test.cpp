@@ -249,3 +249,162 @@ TEST(AccountantTest, AdafactorKeepsFactoredState) {
 }
 
 } // namespace
+
+namespace {
+
+constexpr int64_t kP = 7000000000;  // divisible by 8: shards are exact
+constexpr int64_t kN = 8;
+
+trainmem::ShardedStatic zero(trainmem::Recipe recipe, int64_t stage, bool offload = false,
+                             int64_t largest_layer = 0) {
+  return trainmem::shard_static_bytes(
+      trainmem::predict_static_bytes(kP, recipe),
+      trainmem::ShardingOptions().zero_stage(stage).world_size(kN).offload_optimizer(offload).largest_layer_params(
+          largest_layer));
+}
+
+std::vector<std::string> differing_terms(const trainmem::PublishedFormula& f) {
+  std::vector<std::string> out;
+  for (const auto& t : f.terms) {
+    if (!t.differs.empty()) out.push_back(t.name);
+  }
+  return out;
+}
+
+TEST(AccountantTest, FormulaTermsCarryTheirBuckets) {
+  const auto f = trainmem::predict_static_bytes(10, trainmem::Recipe::kMixedAdamW);
+  std::vector<trainmem::Bucket> buckets;
+  for (const auto& t : f.terms) buckets.push_back(t.bucket);
+  using trainmem::Bucket;
+  EXPECT_EQ(buckets, (std::vector<Bucket>{Bucket::kParameters, Bucket::kGradients, Bucket::kOptimizerState,
+                                          Bucket::kOptimizerState, Bucket::kOptimizerState}));
+}
+
+// ZeRO per rank for mixed-precision AdamW (2 + 2 + 12), P = 7e9, N = 8:
+// exactly the paper's (Rajbhandari et al. 2020, K = 12) at every stage.
+TEST(AccountantTest, ZeroStagesMatchThePaper) {
+  const int64_t expected[] = {16 * kP, 4 * kP + 12 * kP / kN, 2 * kP + 14 * kP / kN, 16 * kP / kN};
+  EXPECT_EQ(expected[1], 38500000000);
+  EXPECT_EQ(expected[2], 26250000000);
+  EXPECT_EQ(expected[3], 14000000000);
+  for (int64_t stage = 0; stage <= 3; ++stage) {
+    const auto r = zero(trainmem::Recipe::kMixedAdamW, stage);
+    EXPECT_EQ(r.device_bytes_per_rank, expected[stage]) << trainmem::to_string(r);
+    EXPECT_EQ(r.host_bytes_per_rank, 0);
+    if (stage == 0) continue;
+    const auto paper = trainmem::published_formula(
+        static_cast<trainmem::Published>(static_cast<int>(trainmem::Published::kZeroPaperStage1) + stage - 1));
+    EXPECT_EQ(paper.device_bytes_per_rank(kP, kN), expected[stage]) << paper.formula;
+    EXPECT_TRUE(differing_terms(paper).empty());
+    EXPECT_EQ(paper.sharding.zero_stage(), stage);
+  }
+  EXPECT_NE(trainmem::to_string(zero(trainmem::Recipe::kMixedAdamW, 2)).find("26,250,000,000"),
+            std::string::npos);
+}
+
+// DeepSpeed's estimator assumes an fp32 gradient partition (18 = 2 + 4 + 4 + 8
+// sharded): 4 P / N above ours at ZeRO-2, 2 P / N above ours at ZeRO-3 (it
+// keeps the partition at 4 B where ours keeps 2 B). With the optimizer
+// offloaded its GPU figures are ours exactly.
+TEST(AccountantTest, DeepSpeedEstimatorReconciled) {
+  const int64_t largest = 50257 * 4096;  // a GPT-3 6.7B-shaped embedding
+  const auto ds2 = trainmem::published_formula(trainmem::Published::kDeepSpeedZero2);
+  EXPECT_EQ(ds2.formula, "2 P + 18 P / N");
+  EXPECT_EQ(ds2.device_bytes_per_rank(kP, kN), 2 * kP + 18 * kP / kN);
+  EXPECT_EQ(ds2.device_bytes_per_rank(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 2).device_bytes_per_rank,
+            4 * kP / kN);
+  EXPECT_EQ(differing_terms(ds2), std::vector<std::string>{"fp32 gradients"});
+
+  const auto ds3 = trainmem::published_formula(trainmem::Published::kDeepSpeedZero3);
+  EXPECT_EQ(ds3.formula, "4 x largest layer + 18 P / N");
+  const auto ours3 = zero(trainmem::Recipe::kMixedAdamW, 3, false, largest);
+  EXPECT_EQ(ours3.device_bytes_per_rank, 4 * largest + 16 * kP / kN) << trainmem::to_string(ours3);
+  EXPECT_EQ(ds3.device_bytes_per_rank(kP, kN, largest) - ours3.device_bytes_per_rank, 2 * kP / kN);
+  EXPECT_EQ(differing_terms(ds3), std::vector<std::string>{"fp32 gradient partition"});
+
+  const auto ours2_off = zero(trainmem::Recipe::kMixedAdamW, 2, true);
+  EXPECT_EQ(ours2_off.device_bytes_per_rank, 2 * kP);
+  EXPECT_EQ(ours2_off.host_bytes_per_rank, 14 * kP / kN);
+  EXPECT_EQ(trainmem::published_formula(trainmem::Published::kDeepSpeedZero2Offload).device_bytes_per_rank(kP, kN),
+            ours2_off.device_bytes_per_rank);
+
+  const auto ours3_off = zero(trainmem::Recipe::kMixedAdamW, 3, true, largest);
+  EXPECT_EQ(ours3_off.device_bytes_per_rank, 4 * largest + 2 * kP / kN);
+  EXPECT_EQ(ours3_off.host_bytes_per_rank, 14 * kP / kN);
+  EXPECT_EQ(trainmem::published_formula(trainmem::Published::kDeepSpeedZero3OffloadOptimizer)
+                .device_bytes_per_rank(kP, kN, largest),
+            ours3_off.device_bytes_per_rank);
+
+  const auto ours3_all = trainmem::shard_static_bytes(
+      trainmem::predict_static_bytes(kP, trainmem::Recipe::kMixedAdamW),
+      trainmem::ShardingOptions().zero_stage(3).world_size(kN).offload_optimizer(true).offload_parameters(true)
+          .largest_layer_params(largest));
+  EXPECT_EQ(ours3_all.device_bytes_per_rank, 4 * largest);
+  EXPECT_EQ(ours3_all.host_bytes_per_rank, 16 * kP / kN);
+  EXPECT_EQ(trainmem::published_formula(trainmem::Published::kDeepSpeedZero3OffloadAll)
+                .device_bytes_per_rank(kP, kN, largest),
+            ours3_all.device_bytes_per_rank);
+}
+
+// Megatron keeps fp32 main gradients: 18 B/param, 6 + 12/d with its
+// distributed optimizer (ZeRO-1), 2 B/param above our mixed recipe; in fp32
+// its 8 + 8/d is ours exactly.
+TEST(AccountantTest, MegatronReconciled) {
+  const auto m18 = trainmem::published_formula(trainmem::Published::kMegatronBf16Fp32Grads);
+  EXPECT_EQ(m18.device_bytes_per_rank(kP, kN), 18 * kP);
+  EXPECT_EQ(m18.device_bytes_per_rank(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 0).device_bytes_per_rank,
+            2 * kP);
+  const auto dist = trainmem::published_formula(trainmem::Published::kMegatronDistributedBf16Fp32Grads);
+  EXPECT_EQ(dist.formula, "6 + 12 / d");
+  EXPECT_EQ(dist.device_bytes_per_rank(kP, kN), 6 * kP + 12 * kP / kN);
+  EXPECT_EQ(dist.device_bytes_per_rank(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 1).device_bytes_per_rank,
+            2 * kP);
+  EXPECT_EQ(differing_terms(dist), std::vector<std::string>{"fp32 main gradients"});
+  const auto fp32 = trainmem::published_formula(trainmem::Published::kMegatronDistributedFp32);
+  EXPECT_EQ(fp32.recipe, trainmem::Recipe::kFp32AdamW);
+  EXPECT_EQ(fp32.device_bytes_per_rank(kP, kN), zero(trainmem::Recipe::kFp32AdamW, 1).device_bytes_per_rank);
+  EXPECT_EQ(fp32.device_bytes_per_rank(kP, kN), 8 * kP + 8 * kP / kN);
+  EXPECT_TRUE(differing_terms(fp32).empty());
+  EXPECT_EQ(trainmem::all_published_formulas().size(), 11u);
+  for (auto which : trainmem::all_published_formulas()) {
+    EXPECT_FALSE(trainmem::published_formula(which).source.empty());
+  }
+}
+
+TEST(AccountantTest, ShardsArePaddedAndRecipesWithoutStateShardNothingAtStageOne) {
+  // 10 elements over 4 ranks: each holds ceil(10 / 4) = 3 of every sharded buffer.
+  const auto r = trainmem::shard_static_bytes(trainmem::predict_static_bytes(10, trainmem::Recipe::kMixedAdamW),
+                                              trainmem::ShardingOptions().zero_stage(3).world_size(4));
+  EXPECT_EQ(r.device_bytes_per_rank, 16 * 3);
+  const auto sgd = trainmem::shard_static_bytes(trainmem::predict_static_bytes(kP, trainmem::Recipe::kFp32SGD),
+                                                trainmem::ShardingOptions().zero_stage(1).world_size(kN));
+  EXPECT_EQ(sgd.device_bytes_per_rank, 8 * kP);
+  const auto bf16 = trainmem::shard_static_bytes(
+      trainmem::predict_static_bytes(kP, trainmem::Recipe::kPureBf16AdamW),
+      trainmem::ShardingOptions().zero_stage(2).world_size(kN));
+  EXPECT_EQ(bf16.device_bytes_per_rank, 2 * kP + 10 * kP / kN);
+  // Adafactor's factored state has no per-element size: ceil(bytes / N).
+  torch::nn::Linear lin(300, 200);
+  const auto ada = trainmem::predict_static_bytes(*lin, trainmem::Recipe::kFp32Adafactor);
+  const auto ada1 = trainmem::shard_static_bytes(ada, trainmem::ShardingOptions().zero_stage(1).world_size(3));
+  const int64_t P = 200 * 300 + 200;
+  EXPECT_EQ(ada1.device_bytes_per_rank, 8 * P + (4 * (200 + 300 + 200) + 2) / 3);
+}
+
+TEST(AccountantTest, ShardingRejectsImpossibleOptions) {
+  const auto f = trainmem::predict_static_bytes(100, trainmem::Recipe::kMixedAdamW);
+  using trainmem::ShardingOptions;
+  EXPECT_THROW(trainmem::shard_static_bytes(f, ShardingOptions().zero_stage(4)), c10::Error);
+  EXPECT_THROW(trainmem::shard_static_bytes(f, ShardingOptions().world_size(0)), c10::Error);
+  EXPECT_THROW(trainmem::shard_static_bytes(f, ShardingOptions().offload_optimizer(true)), c10::Error);
+  EXPECT_THROW(trainmem::shard_static_bytes(f, ShardingOptions().zero_stage(2).offload_parameters(true)),
+               c10::Error);
+  try {
+    trainmem::shard_static_bytes(f, ShardingOptions().zero_stage(5));
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("but got 5"), std::string::npos) << e.what();
+  }
+}
+
+} // namespace

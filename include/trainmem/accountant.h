@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <torch/arg.h>
+
 namespace torch::nn {
 class Module;
 } // namespace torch::nn
@@ -96,12 +98,21 @@ enum class Recipe {
   kFp32Adafactor,  ///< fp32 params, grads, factored second moment (row + col)
 };
 
+/// Which static bucket a formula term belongs to; ZeRO shards them in the
+/// order kOptimizerState (stage 1), kGradients (2), kParameters (3).
+enum class Bucket {
+  kParameters,     ///< the weights the model computes with
+  kGradients,      ///< their gradients
+  kOptimizerState, ///< optimizer-side: master weights, moments
+};
+
 /// One term of a static-bytes formula.
 struct FormulaTerm {
   std::string name;         ///< "parameters", "gradients", "master weights"...
   double bytes_per_param = 0; ///< bytes per parameter element (Adafactor: average)
   int64_t bytes = 0;        ///< this term in bytes
   bool shard_first = false; ///< optimizer-side bytes ZeRO-1 shards first
+  Bucket bucket = Bucket::kOptimizerState; ///< its bucket (shard_first == kOptimizerState)
 };
 
 /// A static-bytes prediction with its terms shown.
@@ -126,5 +137,116 @@ StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recip
 std::string to_string(Recipe recipe);
 /// "P = 1,189,632 x (4 params + 4 grads + 8 AdamW m,v) = 19,034,112 B".
 std::string to_string(const StaticFormula& formula);
+
+/// How the static buckets are split across data-parallel ranks: ZeRO
+/// (Rajbhandari et al. 2020) stage 1 shards the optimizer state, stage 2 also
+/// the gradients, stage 3 also the parameters (PyTorch FSDP: SHARD_GRAD_OP is
+/// stage 2, FULL_SHARD stage 3; Megatron's distributed optimizer is stage 1).
+///
+/// Example:
+/// ```
+/// auto f = trainmem::predict_static_bytes(7000000000, trainmem::Recipe::kMixedAdamW);
+/// auto r = trainmem::shard_static_bytes(f, trainmem::ShardingOptions().zero_stage(2).world_size(8));
+/// r.device_bytes_per_rank;   // 2 P + 14 P / 8 = 26,250,000,000
+/// ```
+struct ShardingOptions {
+  TORCH_ARG(int64_t, zero_stage) = 0;  ///< 0 (replicated), 1, 2 or 3
+  TORCH_ARG(int64_t, world_size) = 1;  ///< N, data-parallel ranks
+  /// Optimizer state in host memory (ZeRO-Offload; stage >= 1). At stage >= 2
+  /// the rank's gradient shard goes to the host too (the CPU optimizer reads
+  /// it there), as DeepSpeed does.
+  TORCH_ARG(bool, offload_optimizer) = false;
+  /// Parameter shards in host memory too (ZeRO-Infinity; stage 3 only).
+  TORCH_ARG(bool, offload_parameters) = false;
+  /// Elements of the largest module's own parameters: at stage 3 a rank
+  /// gathers one module's full parameters and their gradients at a time, a
+  /// working buffer of (parameter + gradient bytes per element) x this. 0 to
+  /// leave it out. See largest_layer_params().
+  TORCH_ARG(int64_t, largest_layer_params) = 0;
+};
+
+/// One term of a sharded prediction.
+struct ShardedTerm {
+  std::string name;          ///< the recipe term's name, or the stage-3 gather buffer's
+  Bucket bucket = Bucket::kParameters; ///< its bucket
+  int64_t total_bytes = 0;   ///< the whole term, unsharded, in bytes
+  bool sharded = false;      ///< split across the world size at this stage
+  bool on_host = false;      ///< kept in host memory (offloaded)
+  bool working = false;      ///< a per-layer working buffer, not a bucket (stage-3 gather)
+  /// What one rank holds, in bytes: the whole term, or its shard. A shard of
+  /// a per-element term is ceil(P / N) elements (the flat buffer padded to a
+  /// multiple of N, as DeepSpeed and FSDP pad); other terms ceil(bytes / N).
+  int64_t bytes_per_rank = 0;
+};
+
+/// Per-rank static bytes of a recipe under sharding. Plain data.
+struct ShardedStatic {
+  StaticFormula formula;            ///< the unsharded recipe
+  ShardingOptions options;          ///< how it is sharded
+  std::vector<ShardedTerm> terms;   ///< the recipe's terms, then the gather buffer
+  int64_t device_bytes_per_rank = 0; ///< accelerator memory per rank, in bytes
+  int64_t host_bytes_per_rank = 0;   ///< host memory per rank (offloaded terms), in bytes
+};
+
+/// Splits `formula`'s terms across `options.world_size()` ranks. Throws on a
+/// stage outside 0..3, a world size below 1, offload at stage 0, or parameter
+/// offload below stage 3.
+ShardedStatic shard_static_bytes(const StaticFormula& formula, const ShardingOptions& options);
+
+/// Elements of the largest parameter set one module owns directly (DeepSpeed's
+/// "largest layer", what ZeRO-3 gathers at once): max over submodules of their
+/// own (non-recursive) parameters, each tensor counted once.
+int64_t largest_layer_params(const torch::nn::Module& module);
+
+/// "mixed-precision AdamW, ZeRO-2 over 8 ranks: 26,250,000,000 B per rank
+/// on the device, 0 B on the host" and one line per term.
+std::string to_string(const ShardedStatic& sharded);
+
+/// One term of a published per-rank formula.
+struct PublishedTerm {
+  std::string name;           ///< as the source names it
+  double bytes_per_param = 0; ///< bytes per parameter element (per largest-layer element for gather terms)
+  bool sharded = false;       ///< divided by the world size
+  bool on_host = false;       ///< host memory
+  bool per_largest_layer = false; ///< scales with the largest layer, not P
+  /// Empty when our recipe has the same term at the same stage; otherwise
+  /// how ours differs, in one sentence.
+  std::string differs;
+};
+
+/// A published static-memory formula as named terms, with where its
+/// assumptions differ from ours. Plain data.
+struct PublishedFormula {
+  std::string source;               ///< "DeepSpeed estimate_zero2_model_states_mem_needs"...
+  std::string formula;              ///< as published: "2P + 18P/N"
+  Recipe recipe = Recipe::kMixedAdamW; ///< our closest recipe
+  ShardingOptions sharding;         ///< our closest sharding (world size taken from the call)
+  std::vector<PublishedTerm> terms; ///< the published terms
+  /// Device bytes per rank by the published formula: replicated terms x P,
+  /// plus floor(sharded bytes-per-param x P / N), plus the largest-layer
+  /// terms x `largest_layer_params` (DeepSpeed's integer arithmetic).
+  int64_t device_bytes_per_rank(int64_t num_params, int64_t world_size,
+                                int64_t largest_layer_params = 0) const;
+};
+
+/// Which published formula.
+enum class Published {
+  kZeroPaperStage1,     ///< Rajbhandari et al. 2020, P_os: (2 + 2) P + K P / N, K = 12
+  kZeroPaperStage2,     ///< P_os+g: 2 P + (2 + K) P / N
+  kZeroPaperStage3,     ///< P_os+g+p: (2 + 2 + K) P / N
+  kDeepSpeedZero2,      ///< DeepSpeed's estimator, ZeRO-2: 2 P + 18 P / N
+  kDeepSpeedZero2Offload, ///< ZeRO-2, optimizer on CPU: 2 P on the device
+  kDeepSpeedZero3,      ///< ZeRO-3: 4 x largest layer + 18 P / N
+  kDeepSpeedZero3OffloadOptimizer, ///< ZeRO-3, optimizer on CPU: 4 x largest layer + 2 P / N
+  kDeepSpeedZero3OffloadAll, ///< ZeRO-3, optimizer and parameters on CPU: 4 x largest layer
+  kMegatronBf16Fp32Grads, ///< Megatron, bf16 params, fp32 grads: 18
+  kMegatronDistributedBf16Fp32Grads, ///< with the distributed optimizer: 6 + 12 / d
+  kMegatronDistributedFp32, ///< fp32 params and grads, distributed optimizer: 8 + 8 / d
+};
+
+/// The published formula, its terms and our differences.
+PublishedFormula published_formula(Published which);
+/// Every Published value, in enum order.
+std::vector<Published> all_published_formulas();
 
 } // namespace trainmem

@@ -1,18 +1,36 @@
 #pragma once
 /// \file meta.h
 /// The meta device for C++ modules: shapes, dtypes and exact byte counts with
-/// no data.
+/// no data. Build a model on meta without allocating (`MetaInitGuard`), plan
+/// it, then give it real storage (`materialize()`) or load a checkpoint into it
+/// one tensor at a time (`load_into()`).
 ///
 /// Example:
 /// ```
-/// torch::nn::Linear lin(1000, 1000);
-/// trainmem::to_meta(*lin);                 // parameters keep their identity
-/// trainmem::account(*lin).param_bytes;     // 4,004,000 B planned, no data
+/// trainmem::GPT model{nullptr};
+/// {
+///   trainmem::MetaInitGuard meta;                    // this thread only
+///   model = trainmem::GPT(trainmem::GPTOptions());   // GPT-2 small, no data
+/// }
+/// trainmem::account(*model).num_params;              // 124,439,808
+/// trainmem::materialize(*model, torch::kCPU);        // allocated and initialized
 /// ```
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 namespace torch::nn {
 class Module;
 } // namespace torch::nn
+namespace torch::serialize {
+class InputArchive;
+} // namespace torch::serialize
 
 namespace trainmem {
 
@@ -21,7 +39,138 @@ namespace trainmem {
 /// built on it still refers to it), its shape, strides, dtype and
 /// requires_grad, and its storage is released. LibTorch's `module->to(kMeta)`
 /// refuses this ("incompatible tensor type"). Note that the module was built
-/// on CPU first, so its parameters were allocated once.
+/// on CPU first, so its parameters were allocated once; build it under a
+/// MetaInitGuard instead to allocate nothing.
 void to_meta(torch::nn::Module& module);
+
+/// Thread-local RAII guard: while it is alive, every factory op called on this
+/// thread — an ATen op with a `device` argument and no tensor argument:
+/// `empty`, `empty_strided`, `zeros`, `ones`, `full`, `rand`, `randn`,
+/// `randint`, `arange`, `linspace`, `eye`, `scalar_tensor`, ... —
+/// creates a meta tensor, whatever device it names (and never pinned). In-place
+/// initializers (`uniform_`, `normal_`, `kaiming_uniform_`, `fill_`, `zero_`)
+/// are no-ops on meta tensors and draw nothing from the random generator. So a
+/// LibTorch module constructed under the guard (its `reset()` calls
+/// `torch::empty` and an initializer) has meta parameters: no storage bytes,
+/// exact sizes. Ops on existing real tensors run as usual.
+///
+/// Mechanism: the one op interceptor below autograd (docs/design.md, Note [One
+/// interception key]) rewrites each factory op's device to Meta. What it cannot
+/// catch: `torch::from_blob` (no op), and code that reads data back (`item()`,
+/// `data_ptr()`, `torch::tensor({1, 2, 3})`), which throws on meta. Ops that
+/// LibTorch 2.13 has no C++ Meta kernel for throw under the guard or on meta
+/// tensors (`randperm`, `index_select` and so Embedding's forward, `relu`);
+/// Python registers many more meta kernels than C++ has.
+/// Guards nest; they must end in reverse order of construction.
+///
+/// Example:
+/// ```
+/// trainmem::MetaInitGuard meta;
+/// torch::nn::Linear lin(1000, 1000);   // lin->weight.is_meta(), nothing allocated
+/// ```
+class MetaInitGuard {
+ public:
+  /// Starts routing this thread's factory ops to the meta device. Throws if
+  /// the op interceptor cannot be registered.
+  explicit MetaInitGuard();
+  /// Restores the previous state. Never throws.
+  ~MetaInitGuard();
+  MetaInitGuard(const MetaInitGuard&) = delete;
+  MetaInitGuard& operator=(const MetaInitGuard&) = delete;
+  MetaInitGuard(MetaInitGuard&&) = delete;
+  MetaInitGuard& operator=(MetaInitGuard&&) = delete;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// A module with an initialization of its own beyond its children's (e.g.
+/// GPT's embeddings at N(0, 0.02)): `materialize()` calls `reset_parameters()`
+/// after its children's, in place, tensors kept.
+class Reinitializable {
+ public:
+  virtual ~Reinitializable() = default;
+  /// Re-initializes, in place, the values this module sets itself.
+  virtual void reset_parameters() = 0;
+};
+
+/// Re-initializes the tensors `module` owns directly. Returns true if it did
+/// (then the built-in reset is skipped for that module).
+using ModuleInit = std::function<bool(torch::nn::Module& module)>;
+
+/// Re-initializes, in place, the parameters and buffers of LibTorch's
+/// built-in modules with their own `reset_parameters()`: Linear, Bilinear,
+/// Conv{1,2,3}d, ConvTranspose{1,2,3}d, Embedding, EmbeddingBag, LayerNorm,
+/// GroupNorm, BatchNorm{1,2,3}d, InstanceNorm{1,2,3}d, MultiheadAttention,
+/// RNN, LSTM, GRU and their cells. Returns false for any other type.
+bool reset_builtin_parameters(torch::nn::Module& module);
+
+/// Gives every meta parameter and buffer of `module` (recursively) storage on
+/// `device`, uninitialized (PyTorch's `Module.to_empty`). Each tensor keeps its
+/// identity (TensorImpl), shape, strides, dtype and requires_grad; tensors
+/// that share one storage on meta (tied weights, views) share one on `device`.
+/// Tensors already off meta are left alone. Allocates exactly the meta
+/// storages' bytes.
+void to_empty(torch::nn::Module& module, c10::Device device);
+
+/// `to_empty(module, device)`, then re-initializes every module in post-order
+/// (children in registration order, then the parent): `init` if given and it
+/// returns true, else `Reinitializable::reset_parameters()`, else
+/// `reset_builtin_parameters()`. Throws, naming them, if some module owns
+/// tensors and none of the three knows it (its tensors are then allocated but
+/// uninitialized).
+///
+/// Identity: every parameter and buffer keeps its TensorImpl, so optimizers,
+/// meters and handles taken on the meta module stay valid. Values: the same
+/// draws as a CPU construction after the same `torch::manual_seed`, when each
+/// module constructs its children in registration order and initializes its
+/// own tensors after them (true of LibTorch's modules, Transformer and GPT;
+/// a meta construction draws nothing).
+///
+/// Example:
+/// ```
+/// trainmem::materialize(*model, torch::Device(torch::kCUDA, 0));
+/// ```
+void materialize(torch::nn::Module& module, c10::Device device, const ModuleInit& init = nullptr);
+
+/// Yields the tensor for a parameter or buffer by its dotted name in
+/// `named_parameters()` / `named_buffers()` ("transformer.blocks.0.qkv.weight"),
+/// or an undefined tensor when there is none.
+using TensorSource = std::function<at::Tensor(const std::string& name)>;
+
+/// A TensorSource over an archive written by `torch::save(module, ...)`
+/// (nested archives per submodule). Reading shares the archive's storages (no
+/// copy). `archive` must outlive the source.
+TensorSource archive_source(torch::serialize::InputArchive& archive);
+
+/// What load_into() did.
+struct LoadReport {
+  int64_t num_loaded = 0;          ///< tensors given storage
+  int64_t loaded_bytes = 0;        ///< their bytes, in bytes
+  int64_t num_adopted = 0;         ///< of them, storages taken over from the source (no copy)
+  int64_t num_copied = 0;          ///< of them, copied (other device or dtype)
+  std::vector<std::string> missing; ///< names the source had no tensor for
+};
+
+/// Materializes the meta parameters and buffers of `module` from `source`, one
+/// tensor at a time, so a checkpoint is never held twice: a source tensor
+/// already on `device` with the parameter's dtype is adopted (the parameter
+/// takes its storage, no copy); otherwise it is converted to `device` and the
+/// dtype, and the source tensor is released before the next one is asked for.
+/// Peak memory: the model's bytes plus the largest converted tensor, plus
+/// whatever the source itself keeps alive. Tensors keep their identity and
+/// requires_grad; a tensor shared by several modules is loaded once, under its
+/// first name. Throws if a shape differs (naming it), or, when `strict`, if the
+/// source had no tensor for some names (listed; the rest are loaded).
+///
+/// Example:
+/// ```
+/// torch::serialize::InputArchive archive;
+/// archive.load_from("gpt2.pt");
+/// trainmem::load_into(*model, trainmem::archive_source(archive), torch::kCPU);
+/// ```
+LoadReport load_into(torch::nn::Module& module, const TensorSource& source, c10::Device device,
+                     bool strict = true);
 
 } // namespace trainmem

@@ -6,6 +6,7 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/checkpoint.h"
+#include "trainmem/gpt.h"
 #include "trainmem/hooks.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
