@@ -795,7 +795,7 @@ std::string plan_name(const std::vector<BlockChoice>& blocks) {
     }
     return uniform ? "selective" : "mixed";
   }
-  for (int64_t k = 2; k <= L; ++k) {
+  for (int64_t k = 2; k < L; ++k) {  // every_L and up: block 0 alone, "chosen"
     bool match = true;
     for (int64_t i = 0; i < L; ++i) {
       match &= (blocks[i].mode == BlockMode::kCheckpoint) == (i % k == 0);

@@ -1,0 +1,179 @@
+// `trainmem plan`: choose the cheapest checkpointing of the bundled
+// transformer whose predicted step peak fits a budget, then run it and print
+// the measured figures beside the predicted ones.
+//
+//   trainmem plan --budget 40MiB            the plan, predicted and measured
+//   trainmem plan --budget 40MiB --json     one JSON document (schema trainmem/1)
+//   trainmem plan --budget 1MiB             exit 3: the smallest reachable peak and its cost
+#include <chrono>
+#include <iostream>
+#include <memory>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+
+#include "cli.h"
+#include "trainmem/allocator.h"
+#include "trainmem/meta.h"
+#include "trainmem/planner.h"
+#include "trainmem/transformer.h"
+
+namespace trainmem::cli {
+namespace {
+
+struct PlanFlags {
+  ModelFlags model;
+  std::string budget;
+  bool json = false;
+  bool no_selective = false;
+  bool no_run = false;
+};
+
+std::string commas(int64_t v) {
+  std::string s = std::to_string(v < 0 ? -v : v), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i != 0 && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+nlohmann::json plan_json(const CheckpointPlan& p) {
+  nlohmann::json blocks = nlohmann::json::array();
+  for (const auto& b : p.blocks) {
+    blocks.push_back({{"mode", to_string(b.mode)},
+                      {"saved_ops", b.saved_ops},
+                      {"stored_bytes", b.stored_bytes},
+                      {"backward_transient_bytes", b.backward_transient_bytes},
+                      {"forward_peak_bytes", b.forward_peak_bytes},
+                      {"recompute_flops", b.recompute_cost}});
+  }
+  return {{"name", p.name},
+          {"feasible", p.feasible},
+          {"budget_bytes", p.budget_bytes},
+          {"blocks", blocks},
+          {"predicted_peak_bytes", p.predicted_peak_bytes},
+          {"peak_phase", to_string(p.peak_phase)},
+          {"static_bytes", p.static_bytes},
+          {"grad_bytes", p.grad_bytes},
+          {"activation_bytes", p.activation_bytes},
+          {"recompute_flops", p.recompute_cost},
+          {"forward_flops", p.forward_cost},
+          {"min_peak_bytes", p.min_peak_bytes},
+          {"min_peak_recompute_flops", p.min_peak_cost}};
+}
+
+struct Measured {
+  StepPeak meta;      // the whole step simulated on meta
+  StepPeak cpu;       // the step run on CPU
+  double step_ms = 0; // wall time of the measured CPU step (not asserted anywhere)
+};
+
+Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
+  Measured m;
+  const auto checkpointing = plan.checkpointing();
+  {
+    Transformer meta(o);
+    to_meta(*meta);
+    torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+    m.meta = predict_step_peak(*meta, [&] {
+      return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta), checkpointing)
+          .pow(2)
+          .mean();
+    }, &opt);
+  }
+  torch::manual_seed(0);
+  Transformer model(o);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto t0 = std::chrono::steady_clock::now();
+  m.cpu = measure_step_peak(*model, [&] {
+    return model->forward(torch::randn({o.batch(), o.seq_len(), o.d_model()}), checkpointing).pow(2).mean();
+  }, &opt);
+  m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 2;
+  return m;
+}
+
+void run(const PlanFlags& f) {
+  check_model_flags(f.model);
+  const int64_t budget = parse_bytes(f.budget);
+  if (budget <= 0) {
+    throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
+  }
+  CpuMemoryTracker::install();  // first: every CPU byte of the run is counted
+  const auto o = TransformerOptions()
+                     .num_layers(f.model.layers)
+                     .d_model(f.model.d_model)
+                     .num_heads(f.model.heads)
+                     .batch(f.model.batch)
+                     .seq_len(f.model.seq_len);
+  const auto plan = plan_checkpointing(o, PlanOptions().budget_bytes(budget).selective(!f.no_selective));
+  const std::string unmet = fmt::format(
+      "no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'), at a "
+      "recompute cost of {:.6g} FLOPs ({:.1f} % of a forward)",
+      commas(budget), commas(plan.min_peak_bytes), plan.name, plan.min_peak_cost,
+      plan.forward_cost > 0 ? 100.0 * plan.min_peak_cost / plan.forward_cost : 0.0);
+  std::optional<Measured> measured;
+  if (plan.feasible && !f.no_run) {
+    measured = run_plan(o, plan);
+  }
+  if (f.json) {
+    nlohmann::json doc = {
+        {"schema", "trainmem/1"},
+        {"command", "plan"},
+        {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()}, {"num_heads", o.num_heads()},
+                   {"batch", o.batch()}, {"seq_len", o.seq_len()}}},
+        {"plan", plan_json(plan)},
+    };
+    if (measured) {
+      doc["measured"] = {{"peak_bytes", measured->cpu.peak_bytes},
+                         {"peak_phase", to_string(measured->cpu.phase)},
+                         {"activation_bytes", measured->cpu.activation_bytes},
+                         {"meta_peak_bytes", measured->meta.peak_bytes},
+                         {"step_ms", measured->step_ms}};
+    }
+    std::cout << doc.dump() << "\n";
+  } else {
+    std::cout << fmt::format(
+        "trainmem plan: {} pre-LN blocks, d_model {}, {} heads, input ({}, {}, {}), fp32, AdamW\n\n",
+        o.num_layers(), o.d_model(), o.num_heads(), o.batch(), o.seq_len(), o.d_model());
+    std::cout << to_string(plan);
+    if (measured) {
+      const auto& c = measured->cpu;
+      std::cout << "\nran it (one AdamW step after a warm-up step)\n";
+      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "", "predicted B", "measured B");
+      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (CPU allocator)",
+                               commas(plan.predicted_peak_bytes), commas(c.peak_bytes));
+      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (whole step on meta)",
+                               commas(measured->meta.peak_bytes), commas(c.peak_bytes));
+      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "saved for backward", commas(plan.activation_bytes),
+                               commas(c.activation_bytes));
+      std::cout << fmt::format("  peak phase: predicted {}, measured {}; step time {:.1f} ms (mean of two)\n",
+                               to_string(plan.peak_phase), to_string(c.phase), measured->step_ms);
+      std::cout << fmt::format("  measured / predicted peak {:.3f}; {}\n",
+                               static_cast<double>(c.peak_bytes) / static_cast<double>(plan.predicted_peak_bytes),
+                               c.peak_bytes <= budget ? "within the budget" : "OVER the budget");
+    }
+  }
+  if (!plan.feasible) {
+    throw CheckFailed(unmet);
+  }
+}
+
+} // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto f = std::make_shared<PlanFlags>();
+  auto* sub = app.add_subcommand(
+      "plan", "choose the cheapest checkpointing whose step peak fits a budget, then run it");
+  add_model_flags(*sub, f->model);
+  sub->add_option("--budget", f->budget, "peak bytes for the whole step: 40MiB, 64MB, 1GiB, 50000000")
+      ->required();
+  sub->add_flag("--json", f->json, "print one JSON document instead of text");
+  sub->add_flag("--no-selective", f->no_selective, "whole blocks only (store or checkpoint)");
+  sub->add_flag("--no-run", f->no_run, "plan only; do not run the plan");
+  sub->callback([f] { run(*f); });
+}
+
+} // namespace trainmem::cli
