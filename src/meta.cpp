@@ -1,12 +1,15 @@
 #include "trainmem/meta.h"
 
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
+#include <c10/core/WrapDimMinimal.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/TensorOptions.h>
 #include <c10/util/Exception.h>
@@ -21,6 +24,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/modules/rnn.h>
+#include <torch/library.h>
 #include <torch/serialize/input-archive.h>
 
 #include "detail/intercept.h"
@@ -127,7 +131,62 @@ bool try_reset(torch::nn::Module& m) {
   return false;
 }
 
+// Note [Meta kernels LibTorch lacks]
+// Python registers meta kernels for many ops from Python; LibTorch's C++ has
+// none for a few that models built here need (Embedding's index_select, relu,
+// randperm). We add them on the Meta key, each only if the op still has no
+// Meta kernel (a LibTorch that gains one keeps its own).
+at::Tensor index_select_meta(const at::Tensor& self, int64_t dim, const at::Tensor& index) {
+  TORCH_CHECK(index.dim() <= 1, "index_select(): Index is supposed to be a vector, but got ",
+              index.dim(), " dimensions");
+  auto sizes = self.sizes().vec();
+  if (!sizes.empty()) {
+    sizes[c10::maybe_wrap_dim(dim, self.dim())] = index.numel();
+  }
+  return at::empty(sizes, self.options());
+}
+
+at::Tensor relu_meta(const at::Tensor& self) {
+  return at::empty_like(self);
+}
+
+at::Tensor& randperm_out_meta(int64_t n, std::optional<at::Generator>, at::Tensor& out) {
+  TORCH_CHECK(n >= 0, "randperm: expected n >= 0, but got ", n);
+  out.resize_({n});
+  return out;
+}
+
+void register_missing_meta_kernels() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto missing = [](const char* name, const char* overload) {
+      auto op = c10::Dispatcher::singleton().findOp({name, overload});
+      return op.has_value() && !op->hasKernelForDispatchKey(c10::DispatchKey::Meta);
+    };
+    try {
+      // Never destroyed: the kernels live as long as the process.
+      auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::Meta, __FILE__,
+                                     __LINE__);
+      if (missing("aten::index_select", "")) {
+        lib->impl("index_select", TORCH_FN(index_select_meta));
+      }
+      if (missing("aten::relu", "")) {
+        lib->impl("relu", TORCH_FN(relu_meta));
+      }
+      if (missing("aten::randperm", "generator_out")) {
+        lib->impl("randperm.generator_out", TORCH_FN(randperm_out_meta));
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("trainmem: could not add meta kernels (", e.what(), "); ops without one throw on meta");
+    }
+  });
+}
+
 } // namespace
+
+void register_meta_kernels() {
+  register_missing_meta_kernels();
+}
 
 struct MetaInitGuard::Impl : detail::InterceptHandler {
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op,
@@ -140,6 +199,7 @@ struct MetaInitGuard::Impl : detail::InterceptHandler {
 
 MetaInitGuard::MetaInitGuard() : impl_(std::make_unique<Impl>()) {
   detail::register_intercept_fallback();
+  register_missing_meta_kernels();
   impl_->scope.emplace(*impl_);
   ++tls_meta_guards;
 }
@@ -150,6 +210,7 @@ MetaInitGuard::~MetaInitGuard() {
 }
 
 void to_meta(torch::nn::Module& module) {
+  register_missing_meta_kernels();
   for (const auto& p : module.parameters(/*recurse=*/true)) {
     swap_to_meta(p);
   }

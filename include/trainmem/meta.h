@@ -57,10 +57,9 @@ void to_meta(torch::nn::Module& module);
 /// Mechanism: the one op interceptor below autograd (docs/design.md, Note [One
 /// interception key]) rewrites each factory op's device to Meta. What it cannot
 /// catch: `torch::from_blob` (no op), and code that reads data back (`item()`,
-/// `data_ptr()`, `torch::tensor({1, 2, 3})`), which throws on meta. Ops that
-/// LibTorch 2.13 has no C++ Meta kernel for throw under the guard or on meta
-/// tensors (`randperm`, `index_select` and so Embedding's forward, `relu`);
-/// Python registers many more meta kernels than C++ has.
+/// `data_ptr()`, `torch::tensor({1, 2, 3})`), which throws on meta. Ops with no
+/// C++ Meta kernel throw on meta tensors; the guard first adds the few that
+/// LibTorch 2.13 lacks and models need (register_meta_kernels()).
 /// Guards nest; they must end in reverse order of construction.
 ///
 /// Example:
@@ -84,6 +83,13 @@ class MetaInitGuard {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// Adds Meta kernels that LibTorch's C++ lacks (Python registers them from
+/// Python): `index_select` (so Embedding's forward runs on meta), `relu`,
+/// `randperm`; each only if the op has none. Idempotent; MetaInitGuard and
+/// to_meta() call it. Call it yourself before running a forward on meta
+/// tensors made otherwise.
+void register_meta_kernels();
 
 /// A module with an initialization of its own beyond its children's (e.g.
 /// GPT's embeddings at N(0, 0.02)): `materialize()` calls `reset_parameters()`
