@@ -128,8 +128,9 @@ void to_empty(torch::nn::Module& module, c10::Device device);
 /// uninitialized).
 ///
 /// Identity: every parameter and buffer keeps its TensorImpl, so optimizers,
-/// meters and handles taken on the meta module stay valid. Values: the same
-/// draws as a CPU construction after the same `torch::manual_seed`, when each
+/// meters and handles taken on the meta module stay valid. Values (on the CPU;
+/// other devices draw from their own generators): the same draws as a CPU
+/// construction after the same `torch::manual_seed`, when each
 /// module constructs its children in registration order and initializes its
 /// own tensors after them (true of LibTorch's modules, Transformer and GPT;
 /// a meta construction draws nothing).
@@ -147,7 +148,10 @@ using TensorSource = std::function<at::Tensor(const std::string& name)>;
 
 /// A TensorSource over an archive written by `torch::save(module, ...)`
 /// (nested archives per submodule). Reading shares the archive's storages (no
-/// copy). `archive` must outlive the source.
+/// copy). `archive` must outlive the source. The archive holds every tensor it
+/// loaded until it is destroyed: loading onto another device keeps the
+/// checkpoint once in host memory (the archive) and once on the device; a
+/// TensorSource that reads each tensor on demand keeps one at a time.
 TensorSource archive_source(torch::serialize::InputArchive& archive);
 
 /// What load_into() did.
