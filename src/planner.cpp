@@ -858,8 +858,11 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
   std::lock_guard<std::mutex> lock(prediction_mutex());
   const OpCostFn cost_fn = options.op_cost() ? options.op_cost() : OpCostFn(flop_cost);
   const int64_t L = o.num_layers();
-  TransformerBlock block(o.d_model(), o.num_heads());
-  to_meta(*block);
+  TransformerBlock block{nullptr};
+  {
+    MetaInitGuard meta;  // built on meta: nothing allocated, whatever d_model is
+    block = TransformerBlock(o.d_model(), o.num_heads());
+  }
   int64_t block_param_bytes = 0;
   for (const auto& p : block->parameters()) {
     block_param_bytes += storage_bytes(p);

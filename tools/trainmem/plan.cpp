@@ -75,8 +75,11 @@ Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
   Measured m;
   const auto checkpointing = plan.checkpointing();
   {
-    Transformer meta(o);
-    to_meta(*meta);
+    Transformer meta{nullptr};
+    {
+      MetaInitGuard guard;  // no CPU bytes for the meta twin
+      meta = Transformer(o);
+    }
     torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
     m.meta = predict_step_peak(*meta, [&] {
       return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta), checkpointing)
