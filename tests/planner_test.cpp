@@ -121,6 +121,31 @@ TEST(PlannerTest, MetaForwardOfAnMlpStackMatchesTheCpu) {
   }
 }
 
+// The MLP stack's step peak (AdamW), stored and checkpointed: meta vs CPU.
+TEST(PlannerTest, PredictedStepPeakOfAnMlpStack) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  MlpStack cpu(4, 256), meta(4, 256);
+  trainmem::to_meta(*meta);
+  torch::optim::AdamW cpu_opt(cpu->parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  for (bool ckpt : {false, true}) {
+    const auto measured = trainmem::measure_step_peak(*cpu, [&] {
+      return cpu->forward(torch::randn({512, 256}), ckpt).pow(2).mean();
+    }, &cpu_opt);
+    const auto predicted = trainmem::predict_step_peak(*meta, [&] {
+      return meta->forward(at::empty({512, 256}, at::kMeta), ckpt).pow(2).mean();
+    }, &meta_opt);
+    const double err = static_cast<double>(predicted.peak_bytes - measured.peak_bytes) /
+        static_cast<double>(measured.peak_bytes);
+    std::cout << "MLP stack, checkpointed " << ckpt << ": predicted " << predicted.peak_bytes
+              << " B (" << to_string(predicted.phase) << "), measured " << measured.peak_bytes << " B ("
+              << to_string(measured.phase) << "), error " << 100.0 * err << " %\n";
+    EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes);
+    EXPECT_LT(std::abs(err), 0.005) << "checkpointed " << ckpt;
+  }
+}
+
 // Measured and predicted step peaks (AdamW, second step), printed side by side.
 TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
   trainmem::CpuMemoryTracker::install();
@@ -148,7 +173,8 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
               << "), error " << 100.0 * err << " %\n"
               << trainmem::to_string(predicted) << "measured:\n" << trainmem::to_string(measured);
     EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes) << plan.name;
-    EXPECT_LT(std::abs(err), 0.05) << plan.name;
+    // Measured 0.00 % (none) to 0.06 % (selective): the CPU kernels' scratch.
+    EXPECT_LT(std::abs(err), 0.005) << plan.name;
   }
 }
 
