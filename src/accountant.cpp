@@ -525,7 +525,7 @@ ShardedStatic shard_static_bytes(const StaticFormula& formula, const ShardingOpt
     const bool per_element =
         t.bytes_per_param == static_cast<double>(static_cast<int64_t>(t.bytes_per_param)) &&
         t.bytes == static_cast<int64_t>(t.bytes_per_param) * formula.num_params;
-    st.bytes_per_rank = !st.sharded ? t.bytes
+    st.per_rank_bytes = !st.sharded ? t.bytes
         : per_element            ? static_cast<int64_t>(t.bytes_per_param) * shard_elements
                                  : ceil_div(t.bytes, n);
     if (t.bucket == Bucket::kParameters && t.name.rfind("frozen", 0) != 0) {
@@ -541,11 +541,11 @@ ShardedStatic shard_static_bytes(const StaticFormula& formula, const ShardingOpt
     g.bucket = Bucket::kParameters;
     g.working = true;
     g.total_bytes = static_cast<int64_t>(gather_bytes_per_element) * o.largest_layer_params();
-    g.bytes_per_rank = g.total_bytes;
+    g.per_rank_bytes = g.total_bytes;
     r.terms.push_back(g);
   }
   for (const auto& t : r.terms) {
-    (t.on_host ? r.host_bytes_per_rank : r.device_bytes_per_rank) += t.bytes_per_rank;
+    (t.on_host ? r.host_per_rank_bytes : r.device_per_rank_bytes) += t.per_rank_bytes;
   }
   return r;
 }
@@ -571,17 +571,17 @@ std::string to_string(const ShardedStatic& r) {
       "{}, ZeRO-{} over {} ranks{}{}: {} B per rank on the device, {} B on the host\n",
       to_string(r.formula.recipe), o.zero_stage(), o.world_size(),
       o.offload_optimizer() ? ", optimizer offloaded" : "",
-      o.offload_parameters() ? ", parameters offloaded" : "", with_commas(r.device_bytes_per_rank),
-      with_commas(r.host_bytes_per_rank));
+      o.offload_parameters() ? ", parameters offloaded" : "", with_commas(r.device_per_rank_bytes),
+      with_commas(r.host_per_rank_bytes));
   for (const auto& t : r.terms) {
-    out += fmt::format("  {:<48}{:>20} B  {}{}{}\n", t.name, with_commas(t.bytes_per_rank),
+    out += fmt::format("  {:<48}{:>20} B  {}{}{}\n", t.name, with_commas(t.per_rank_bytes),
                        t.working ? "working buffer" : t.sharded ? "sharded" : "replicated",
                        t.on_host ? ", host" : "", t.working ? "" : fmt::format(" ({})", bucket_name(t.bucket)));
   }
   return out;
 }
 
-int64_t PublishedFormula::device_bytes_per_rank(int64_t num_params, int64_t world_size,
+int64_t PublishedFormula::device_per_rank_bytes(int64_t num_params, int64_t world_size,
                                                 int64_t largest_layer) const {
   TORCH_CHECK(world_size >= 1, "PublishedFormula: expected world_size >= 1, but got ", world_size);
   double replicated = 0;

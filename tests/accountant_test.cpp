@@ -289,12 +289,12 @@ TEST(AccountantTest, ZeroStagesMatchThePaper) {
   EXPECT_EQ(expected[3], 14000000000);
   for (int64_t stage = 0; stage <= 3; ++stage) {
     const auto r = zero(trainmem::Recipe::kMixedAdamW, stage);
-    EXPECT_EQ(r.device_bytes_per_rank, expected[stage]) << trainmem::to_string(r);
-    EXPECT_EQ(r.host_bytes_per_rank, 0);
+    EXPECT_EQ(r.device_per_rank_bytes, expected[stage]) << trainmem::to_string(r);
+    EXPECT_EQ(r.host_per_rank_bytes, 0);
     if (stage == 0) continue;
     const auto paper = trainmem::published_formula(
         static_cast<trainmem::Published>(static_cast<int>(trainmem::Published::kZeroPaperStage1) + stage - 1));
-    EXPECT_EQ(paper.device_bytes_per_rank(kP, kN), expected[stage]) << paper.formula;
+    EXPECT_EQ(paper.device_per_rank_bytes(kP, kN), expected[stage]) << paper.formula;
     EXPECT_TRUE(differing_terms(paper).empty());
     EXPECT_EQ(paper.sharding.zero_stage(), stage);
   }
@@ -310,40 +310,40 @@ TEST(AccountantTest, DeepSpeedEstimatorReconciled) {
   const int64_t largest = 50257 * 4096;  // a GPT-3 6.7B-shaped embedding
   const auto ds2 = trainmem::published_formula(trainmem::Published::kDeepSpeedZero2);
   EXPECT_EQ(ds2.formula, "2 P + 18 P / N");
-  EXPECT_EQ(ds2.device_bytes_per_rank(kP, kN), 2 * kP + 18 * kP / kN);
-  EXPECT_EQ(ds2.device_bytes_per_rank(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 2).device_bytes_per_rank,
+  EXPECT_EQ(ds2.device_per_rank_bytes(kP, kN), 2 * kP + 18 * kP / kN);
+  EXPECT_EQ(ds2.device_per_rank_bytes(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 2).device_per_rank_bytes,
             4 * kP / kN);
   EXPECT_EQ(differing_terms(ds2), std::vector<std::string>{"fp32 gradients"});
 
   const auto ds3 = trainmem::published_formula(trainmem::Published::kDeepSpeedZero3);
   EXPECT_EQ(ds3.formula, "4 x largest layer + 18 P / N");
   const auto ours3 = zero(trainmem::Recipe::kMixedAdamW, 3, false, largest);
-  EXPECT_EQ(ours3.device_bytes_per_rank, 4 * largest + 16 * kP / kN) << trainmem::to_string(ours3);
-  EXPECT_EQ(ds3.device_bytes_per_rank(kP, kN, largest) - ours3.device_bytes_per_rank, 2 * kP / kN);
+  EXPECT_EQ(ours3.device_per_rank_bytes, 4 * largest + 16 * kP / kN) << trainmem::to_string(ours3);
+  EXPECT_EQ(ds3.device_per_rank_bytes(kP, kN, largest) - ours3.device_per_rank_bytes, 2 * kP / kN);
   EXPECT_EQ(differing_terms(ds3), std::vector<std::string>{"fp32 gradient partition"});
 
   const auto ours2_off = zero(trainmem::Recipe::kMixedAdamW, 2, true);
-  EXPECT_EQ(ours2_off.device_bytes_per_rank, 2 * kP);
-  EXPECT_EQ(ours2_off.host_bytes_per_rank, 14 * kP / kN);
-  EXPECT_EQ(trainmem::published_formula(trainmem::Published::kDeepSpeedZero2Offload).device_bytes_per_rank(kP, kN),
-            ours2_off.device_bytes_per_rank);
+  EXPECT_EQ(ours2_off.device_per_rank_bytes, 2 * kP);
+  EXPECT_EQ(ours2_off.host_per_rank_bytes, 14 * kP / kN);
+  EXPECT_EQ(trainmem::published_formula(trainmem::Published::kDeepSpeedZero2Offload).device_per_rank_bytes(kP, kN),
+            ours2_off.device_per_rank_bytes);
 
   const auto ours3_off = zero(trainmem::Recipe::kMixedAdamW, 3, true, largest);
-  EXPECT_EQ(ours3_off.device_bytes_per_rank, 4 * largest + 2 * kP / kN);
-  EXPECT_EQ(ours3_off.host_bytes_per_rank, 14 * kP / kN);
+  EXPECT_EQ(ours3_off.device_per_rank_bytes, 4 * largest + 2 * kP / kN);
+  EXPECT_EQ(ours3_off.host_per_rank_bytes, 14 * kP / kN);
   EXPECT_EQ(trainmem::published_formula(trainmem::Published::kDeepSpeedZero3OffloadOptimizer)
-                .device_bytes_per_rank(kP, kN, largest),
-            ours3_off.device_bytes_per_rank);
+                .device_per_rank_bytes(kP, kN, largest),
+            ours3_off.device_per_rank_bytes);
 
   const auto ours3_all = trainmem::shard_static_bytes(
       trainmem::predict_static_bytes(kP, trainmem::Recipe::kMixedAdamW),
       trainmem::ShardingOptions().zero_stage(3).world_size(kN).offload_optimizer(true).offload_parameters(true)
           .largest_layer_params(largest));
-  EXPECT_EQ(ours3_all.device_bytes_per_rank, 4 * largest);
-  EXPECT_EQ(ours3_all.host_bytes_per_rank, 16 * kP / kN);
+  EXPECT_EQ(ours3_all.device_per_rank_bytes, 4 * largest);
+  EXPECT_EQ(ours3_all.host_per_rank_bytes, 16 * kP / kN);
   EXPECT_EQ(trainmem::published_formula(trainmem::Published::kDeepSpeedZero3OffloadAll)
-                .device_bytes_per_rank(kP, kN, largest),
-            ours3_all.device_bytes_per_rank);
+                .device_per_rank_bytes(kP, kN, largest),
+            ours3_all.device_per_rank_bytes);
 }
 
 // Megatron keeps fp32 main gradients: 18 B/param, 6 + 12/d with its
@@ -351,19 +351,19 @@ TEST(AccountantTest, DeepSpeedEstimatorReconciled) {
 // its 8 + 8/d is ours exactly.
 TEST(AccountantTest, MegatronReconciled) {
   const auto m18 = trainmem::published_formula(trainmem::Published::kMegatronBf16Fp32Grads);
-  EXPECT_EQ(m18.device_bytes_per_rank(kP, kN), 18 * kP);
-  EXPECT_EQ(m18.device_bytes_per_rank(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 0).device_bytes_per_rank,
+  EXPECT_EQ(m18.device_per_rank_bytes(kP, kN), 18 * kP);
+  EXPECT_EQ(m18.device_per_rank_bytes(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 0).device_per_rank_bytes,
             2 * kP);
   const auto dist = trainmem::published_formula(trainmem::Published::kMegatronDistributedBf16Fp32Grads);
   EXPECT_EQ(dist.formula, "6 + 12 / d");
-  EXPECT_EQ(dist.device_bytes_per_rank(kP, kN), 6 * kP + 12 * kP / kN);
-  EXPECT_EQ(dist.device_bytes_per_rank(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 1).device_bytes_per_rank,
+  EXPECT_EQ(dist.device_per_rank_bytes(kP, kN), 6 * kP + 12 * kP / kN);
+  EXPECT_EQ(dist.device_per_rank_bytes(kP, kN) - zero(trainmem::Recipe::kMixedAdamW, 1).device_per_rank_bytes,
             2 * kP);
   EXPECT_EQ(differing_terms(dist), std::vector<std::string>{"fp32 main gradients"});
   const auto fp32 = trainmem::published_formula(trainmem::Published::kMegatronDistributedFp32);
   EXPECT_EQ(fp32.recipe, trainmem::Recipe::kFp32AdamW);
-  EXPECT_EQ(fp32.device_bytes_per_rank(kP, kN), zero(trainmem::Recipe::kFp32AdamW, 1).device_bytes_per_rank);
-  EXPECT_EQ(fp32.device_bytes_per_rank(kP, kN), 8 * kP + 8 * kP / kN);
+  EXPECT_EQ(fp32.device_per_rank_bytes(kP, kN), zero(trainmem::Recipe::kFp32AdamW, 1).device_per_rank_bytes);
+  EXPECT_EQ(fp32.device_per_rank_bytes(kP, kN), 8 * kP + 8 * kP / kN);
   EXPECT_TRUE(differing_terms(fp32).empty());
   EXPECT_EQ(trainmem::all_published_formulas().size(), 11u);
   for (auto which : trainmem::all_published_formulas()) {
@@ -375,20 +375,20 @@ TEST(AccountantTest, ShardsArePaddedAndRecipesWithoutStateShardNothingAtStageOne
   // 10 elements over 4 ranks: each holds ceil(10 / 4) = 3 of every sharded buffer.
   const auto r = trainmem::shard_static_bytes(trainmem::predict_static_bytes(10, trainmem::Recipe::kMixedAdamW),
                                               trainmem::ShardingOptions().zero_stage(3).world_size(4));
-  EXPECT_EQ(r.device_bytes_per_rank, 16 * 3);
+  EXPECT_EQ(r.device_per_rank_bytes, 16 * 3);
   const auto sgd = trainmem::shard_static_bytes(trainmem::predict_static_bytes(kP, trainmem::Recipe::kFp32SGD),
                                                 trainmem::ShardingOptions().zero_stage(1).world_size(kN));
-  EXPECT_EQ(sgd.device_bytes_per_rank, 8 * kP);
+  EXPECT_EQ(sgd.device_per_rank_bytes, 8 * kP);
   const auto bf16 = trainmem::shard_static_bytes(
       trainmem::predict_static_bytes(kP, trainmem::Recipe::kPureBf16AdamW),
       trainmem::ShardingOptions().zero_stage(2).world_size(kN));
-  EXPECT_EQ(bf16.device_bytes_per_rank, 2 * kP + 10 * kP / kN);
+  EXPECT_EQ(bf16.device_per_rank_bytes, 2 * kP + 10 * kP / kN);
   // Adafactor's factored state has no per-element size: ceil(bytes / N).
   torch::nn::Linear lin(300, 200);
   const auto ada = trainmem::predict_static_bytes(*lin, trainmem::Recipe::kFp32Adafactor);
   const auto ada1 = trainmem::shard_static_bytes(ada, trainmem::ShardingOptions().zero_stage(1).world_size(3));
   const int64_t P = 200 * 300 + 200;
-  EXPECT_EQ(ada1.device_bytes_per_rank, 8 * P + (4 * (200 + 300 + 200) + 2) / 3);
+  EXPECT_EQ(ada1.device_per_rank_bytes, 8 * P + (4 * (200 + 300 + 200) + 2) / 3);
 }
 
 TEST(AccountantTest, ShardingRejectsImpossibleOptions) {

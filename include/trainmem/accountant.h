@@ -147,7 +147,7 @@ std::string to_string(const StaticFormula& formula);
 /// ```
 /// auto f = trainmem::predict_static_bytes(7000000000, trainmem::Recipe::kMixedAdamW);
 /// auto r = trainmem::shard_static_bytes(f, trainmem::ShardingOptions().zero_stage(2).world_size(8));
-/// r.device_bytes_per_rank;   // 2 P + 14 P / 8 = 26,250,000,000
+/// r.device_per_rank_bytes;   // 2 P + 14 P / 8 = 26,250,000,000
 /// ```
 struct ShardingOptions {
   TORCH_ARG(int64_t, zero_stage) = 0;  ///< 0 (replicated), 1, 2 or 3
@@ -176,7 +176,7 @@ struct ShardedTerm {
   /// What one rank holds, in bytes: the whole term, or its shard. A shard of
   /// a per-element term is ceil(P / N) elements (the flat buffer padded to a
   /// multiple of N, as DeepSpeed and FSDP pad); other terms ceil(bytes / N).
-  int64_t bytes_per_rank = 0;
+  int64_t per_rank_bytes = 0;
 };
 
 /// Per-rank static bytes of a recipe under sharding. Plain data.
@@ -184,8 +184,8 @@ struct ShardedStatic {
   StaticFormula formula;            ///< the unsharded recipe
   ShardingOptions options;          ///< how it is sharded
   std::vector<ShardedTerm> terms;   ///< the recipe's terms, then the gather buffer
-  int64_t device_bytes_per_rank = 0; ///< accelerator memory per rank, in bytes
-  int64_t host_bytes_per_rank = 0;   ///< host memory per rank (offloaded terms), in bytes
+  int64_t device_per_rank_bytes = 0; ///< accelerator memory per rank, in bytes
+  int64_t host_per_rank_bytes = 0;   ///< host memory per rank (offloaded terms), in bytes
 };
 
 /// Splits `formula`'s terms across `options.world_size()` ranks. Throws on a
@@ -225,7 +225,7 @@ struct PublishedFormula {
   /// Device bytes per rank by the published formula: replicated terms x P,
   /// plus floor(sharded bytes-per-param x P / N), plus the largest-layer
   /// terms x `largest_layer_params` (DeepSpeed's integer arithmetic).
-  int64_t device_bytes_per_rank(int64_t num_params, int64_t world_size,
+  int64_t device_per_rank_bytes(int64_t num_params, int64_t world_size,
                                 int64_t largest_layer_params = 0) const;
 };
 
