@@ -113,10 +113,9 @@ namespace {
 // whenever the CPU would. Registered once, on first use, never unregistered.
 
 std::tuple<at::Tensor, at::Tensor> flash_cpu_meta(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double /*dropout_p*/,
+    const at::Tensor& q, const at::Tensor& /*key*/, const at::Tensor& v, double /*dropout_p*/,
     bool /*is_causal*/, const std::optional<at::Tensor>& /*attn_mask*/,
     std::optional<double> /*scale*/) {
-  (void)k;
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = v.size(3);
   auto out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
   auto lse = at::empty({B, T, H}, q.options().dtype(at::toOpMathType(q.scalar_type()))).transpose(1, 2);
@@ -124,10 +123,9 @@ std::tuple<at::Tensor, at::Tensor> flash_cpu_meta(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_cpu_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& /*grad_out*/, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& /*out*/, const at::Tensor& /*lse*/, double /*dropout_p*/, bool /*is_causal*/,
     const std::optional<at::Tensor>& /*attn_mask*/, std::optional<double> /*scale*/) {
-  (void)grad_out;
   auto like = [](const at::Tensor& t) {
     return at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2);
   };
@@ -454,28 +452,28 @@ StepPeak predict_step_peak(
   std::lock_guard<std::mutex> lock(prediction_mutex());
   auto& counter = MetaCounter::get();
   StepPeak r;
-  int64_t grad_bwd = 0, grad_fwd = 0;
+  std::vector<int64_t> grad_at_peak;  // per phase window: forward, backward, optimizer step
   for (int step = 0; step < (optimizer != nullptr ? 2 : 1); ++step) {
     GradWatch watch(module, &counter);
     counter.reset_grad();
-    int64_t grad_at_bwd_peak = 0;
-    bool in_backward = false;
+    grad_at_peak.clear();
     r = run_step(
         module, loss_fn, optimizer, [&] { return counter.live(); },
         [&] {
-          if (in_backward) {
-            grad_at_bwd_peak = counter.grad_at_peak();
+          if (!grad_at_peak.empty()) {
+            grad_at_peak.back() = counter.grad_at_peak();  // the window that just ended
           }
-          in_backward = true;
+          grad_at_peak.push_back(0);
           counter.reset_peak();
         },
         [&] { return counter.peak(); });
-    grad_bwd = grad_at_bwd_peak;
-    grad_fwd = 0;
+    grad_at_peak.back() = counter.grad_at_peak();
   }
   // Decompose: static buckets, activations at the start of backward, the rest.
-  r.grad_bytes = r.phase == StepPhase::kOptimizerStep ? 0 : (r.phase == StepPhase::kBackward ? grad_bwd : grad_fwd);
+  const size_t window = r.phase == StepPhase::kForward ? 0 : r.phase == StepPhase::kBackward ? 1 : 2;
+  r.grad_bytes = window < grad_at_peak.size() ? grad_at_peak[window] : 0;
   if (r.phase == StepPhase::kOptimizerStep) {
+    r.grad_bytes = 0;
     for (const auto& p : module.parameters()) {
       r.grad_bytes += storage_bytes(p.grad());
     }
@@ -515,7 +513,7 @@ std::string to_string(const StepPeak& p) {
   }
   os << fmt::format("  saved activations     {:>16} B (at the start of backward)\n",
                     commas(p.activation_bytes));
-  if (p.transient_bytes >= 0 || p.transient_bytes < -1) {
+  if (p.transient_bytes != -1) {  // -1: not decomposed (a measurement)
     os << fmt::format("  largest transient     {:>16} B\n", commas(p.transient_bytes));
   }
   os << fmt::format("  phase peaks: forward {} B, backward {} B, optimizer step {} B\n",

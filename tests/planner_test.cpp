@@ -173,6 +173,19 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
               << "), error " << 100.0 * err << " %\n"
               << trainmem::to_string(predicted) << "measured:\n" << trainmem::to_string(measured);
     EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes) << plan.name;
+    EXPECT_EQ(predicted.param_bytes + predicted.optimizer_state_bytes + predicted.grad_bytes +
+                  predicted.activation_bytes + predicted.transient_bytes,
+              predicted.peak_bytes);
+    EXPECT_GE(predicted.transient_bytes, 0) << plan.name;
+    EXPECT_EQ(predicted.phase, measured.phase) << plan.name;
+    if (plan.name == "none") {
+      // In the last block's backward: its gradients (793,088 B + its LayerNorm
+      // and bias vectors) are the ones written; the rest is that block's
+      // gradient buffers.
+      EXPECT_EQ(predicted.phase, trainmem::StepPhase::kBackward);
+      EXPECT_GT(predicted.grad_bytes, 0);
+      EXPECT_LE(predicted.grad_bytes, 4758528 / 6);
+    }
     // Measured 0.00 % (none) to 0.06 % (selective): the CPU kernels' scratch.
     EXPECT_LT(std::abs(err), 0.005) << plan.name;
   }
