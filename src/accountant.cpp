@@ -705,4 +705,36 @@ std::vector<Published> all_published_formulas() {
   return out;
 }
 
+Reconciliation reconcile(Published which, int64_t num_params, int64_t world_size,
+                         int64_t largest_layer_params) {
+  Reconciliation r;
+  r.published = published_formula(which);
+  r.published_bytes = r.published.device_per_rank_bytes(num_params, world_size, largest_layer_params);
+  auto sharding = r.published.sharding;
+  sharding.world_size(world_size);
+  // The gather buffer is counted only where the published formula counts it
+  // (DeepSpeed's estimator, not the ZeRO paper).
+  for (const auto& t : r.published.terms) {
+    if (t.per_largest_layer) {
+      sharding.largest_layer_params(largest_layer_params);
+    }
+  }
+  r.ours = shard_static_bytes(predict_static_bytes(num_params, r.published.recipe), sharding);
+  r.difference_bytes = r.published_bytes - r.ours.device_per_rank_bytes;
+  return r;
+}
+
+std::string to_string(const Reconciliation& r) {
+  std::string out = fmt::format("{}: {}\n  published {:>20} B per rank on the device\n  ours      {:>20} B ({}, ZeRO-{})\n  difference {:>19} B\n",
+                                r.published.source, r.published.formula, with_commas(r.published_bytes),
+                                with_commas(r.ours.device_per_rank_bytes), to_string(r.ours.formula.recipe),
+                                r.ours.options.zero_stage(), with_commas(r.difference_bytes));
+  for (const auto& t : r.published.terms) {
+    if (!t.differs.empty()) {
+      out += fmt::format("  {}: {}\n", t.name, t.differs);
+    }
+  }
+  return out;
+}
+
 } // namespace trainmem

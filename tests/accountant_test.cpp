@@ -407,4 +407,36 @@ TEST(AccountantTest, ShardingRejectsImpossibleOptions) {
   }
 }
 
+// Every published formula beside ours at P = 7e9, N = 8: the difference is
+// exactly what the terms marked as differing say.
+TEST(AccountantTest, EveryPublishedFormulaReconciles) {
+  const int64_t largest = 50257 * 4096;
+  using trainmem::Published;
+  const std::vector<std::pair<Published, int64_t>> expected = {
+      {Published::kZeroPaperStage1, 0},
+      {Published::kZeroPaperStage2, 0},
+      {Published::kZeroPaperStage3, 0},
+      {Published::kDeepSpeedZero2, 4 * kP / kN},  // fp32 gradient partition
+      {Published::kDeepSpeedZero2Offload, 0},
+      {Published::kDeepSpeedZero3, 2 * kP / kN},  // its gradient partition at 4 B, ours 2 B
+      {Published::kDeepSpeedZero3OffloadOptimizer, 0},
+      {Published::kDeepSpeedZero3OffloadAll, 0},
+      {Published::kMegatronBf16Fp32Grads, 2 * kP},  // fp32 main gradients
+      {Published::kMegatronDistributedBf16Fp32Grads, 2 * kP},
+      {Published::kMegatronDistributedFp32, 0},
+  };
+  ASSERT_EQ(expected.size(), trainmem::all_published_formulas().size());
+  for (const auto& [which, difference] : expected) {
+    const auto r = trainmem::reconcile(which, kP, kN, largest);
+    EXPECT_EQ(r.difference_bytes, difference) << trainmem::to_string(r);
+    EXPECT_EQ(r.published_bytes - r.ours.device_per_rank_bytes, r.difference_bytes);
+    bool any_differs = false;
+    for (const auto& t : r.published.terms) any_differs |= !t.differs.empty() && !t.on_host;
+    EXPECT_EQ(any_differs, difference != 0) << r.published.source;
+  }
+  const auto ds2 = trainmem::to_string(trainmem::reconcile(Published::kDeepSpeedZero2, kP, kN));
+  EXPECT_NE(ds2.find("3,500,000,000"), std::string::npos) << ds2;
+  EXPECT_NE(ds2.find("fp32 gradients: DeepSpeed keeps"), std::string::npos) << ds2;
+}
+
 } // namespace

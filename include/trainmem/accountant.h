@@ -249,4 +249,27 @@ PublishedFormula published_formula(Published which);
 /// Every Published value, in enum order.
 std::vector<Published> all_published_formulas();
 
+/// A published formula beside ours at the same size. Plain data.
+struct Reconciliation {
+  PublishedFormula published;      ///< the formula, its terms and differences
+  int64_t published_bytes = 0;     ///< device bytes per rank by the published formula
+  ShardedStatic ours;              ///< our closest recipe and sharding, same P and N
+  int64_t difference_bytes = 0;    ///< published_bytes - ours.device_per_rank_bytes
+};
+
+/// Evaluates `which` and our closest recipe and sharding for `num_params`
+/// parameters over `world_size` ranks (`largest_layer_params` counts for ours
+/// only where the published formula has a gather term).
+///
+/// Example:
+/// ```
+/// auto r = trainmem::reconcile(trainmem::Published::kDeepSpeedZero2, 7000000000, 8);
+/// r.difference_bytes;   // 3,500,000,000: DeepSpeed's fp32 gradient partition, 4 P / N
+/// ```
+Reconciliation reconcile(Published which, int64_t num_params, int64_t world_size,
+                         int64_t largest_layer_params = 0);
+
+/// Both figures, the difference and the terms that explain it.
+std::string to_string(const Reconciliation& reconciliation);
+
 } // namespace trainmem
