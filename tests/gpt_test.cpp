@@ -47,6 +47,14 @@ TEST(GptTest, SevenBillionReports112GB) {
   EXPECT_EQ(mixed.total_bytes, 112000000000);  // 112 GB, 104.3 GiB
   std::printf("%s\n", trainmem::to_string(mixed).c_str());
 
+  // ZeRO-3 over 8 ranks: 16 P / 8 plus the gathered largest layer (wte,
+  // V x d, at 2 + 2 B per element), DeepSpeed's "4 x largest layer".
+  const int64_t largest = trainmem::largest_layer_params(*model);
+  EXPECT_EQ(largest, 52758 * 4480);
+  const auto z3 = trainmem::shard_static_bytes(
+      mixed, trainmem::ShardingOptions().zero_stage(3).world_size(8).largest_layer_params(largest));
+  EXPECT_EQ(z3.device_per_rank_bytes, 14000000000 + 4 * 236355840) << trainmem::to_string(z3);
+
   auto gpt3 = build_on_meta(trainmem::GPTOptions::gpt3_6_7b());
   EXPECT_EQ(trainmem::account(*gpt3).num_params, 6658404352);
   EXPECT_EQ(trainmem::predict_static_bytes(*gpt3, trainmem::Recipe::kMixedAdamW).total_bytes,
