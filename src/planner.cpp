@@ -658,11 +658,28 @@ struct BlockProfile {
 // Runs block `block` alone on meta under `mode` (and `saved_ops`), with the
 // loss (y * 2).sum() so the incoming gradient is made by backward itself, as
 // in the stack. `grad_input`: the block's input requires grad (not block 0).
-BlockProfile profile_block(TransformerBlock& block, const TransformerOptions& o, BlockMode mode,
+// `num_blocks` > 1: blocks[0 .. num_blocks) as one region (a segment).
+BlockProfile profile_block(std::vector<TransformerBlock>& blocks, int64_t num_blocks,
+                           const TransformerOptions& o, BlockMode mode,
                            const std::vector<std::string>& saved_ops, bool grad_input,
                            const OpCostFn& op_cost) {
   auto& counter = MetaCounter::get();
   BlockProfile prof;
+  prof.choice.region_blocks = num_blocks;
+  auto reset_grads = [&] {
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      for (auto& p : blocks[j]->parameters()) {
+        p.mutable_grad().reset();
+      }
+    }
+  };
+  auto run = [&](const at::Tensor& t) {
+    at::Tensor y = t;
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      y = blocks[j]->forward(y);
+    }
+    return y;
+  };
   prof.choice.mode = mode;
   prof.choice.saved_ops = saved_ops;
   auto recompute_cost = std::make_shared<double>(0.0);
@@ -689,9 +706,7 @@ BlockProfile profile_block(TransformerBlock& block, const TransformerOptions& o,
     }
     return decision;
   };
-  for (auto& p : block->parameters()) {
-    p.mutable_grad().reset();
-  }
+  reset_grads();
   const int64_t base = counter.live();
   counter.reset_peak();
   auto x = at::empty({o.batch(), o.seq_len(), o.d_model()}, at::TensorOptions().device(at::kMeta));
@@ -702,10 +717,10 @@ BlockProfile profile_block(TransformerBlock& block, const TransformerOptions& o,
   {
     at::Tensor y;
     if (mode == BlockMode::kStore) {
-      y = block->forward(x);
+      y = run(x);
     } else {
       auto opts = CheckpointOptions().context_fn(create_selective_checkpoint_contexts(counting));
-      y = checkpoint(block, x, opts);
+      y = checkpoint(run, x, opts);
     }
     prof.choice.forward_peak_bytes = counter.peak() - base;
     loss = (y * 2.0).sum();
@@ -717,9 +732,7 @@ BlockProfile profile_block(TransformerBlock& block, const TransformerOptions& o,
   prof.choice.backward_transient_bytes = counter.peak() - after_forward;
   loss = at::Tensor();
   x = at::Tensor();
-  for (auto& p : block->parameters()) {
-    p.mutable_grad().reset();
-  }
+  reset_grads();
   prof.choice.recompute_cost = mode == BlockMode::kStore ? 0.0 : *recompute_cost;
   prof.forward_cost = *forward_cost;
   prof.calls = *calls;
@@ -774,6 +787,7 @@ struct DpState {
   StepPhase phase = StepPhase::kForward;
   int64_t parent = -1;
   int option = -1;
+  int64_t region = 1; // blocks the last choice covers
 };
 
 std::string plan_name(const std::vector<BlockChoice>& blocks) {
@@ -784,7 +798,32 @@ std::string plan_name(const std::vector<BlockChoice>& blocks) {
     all_store &= b.mode == BlockMode::kStore;
     all_ckpt &= b.mode == BlockMode::kCheckpoint;
   }
+  bool any_region = false;
+  for (const auto& b : blocks) {
+    any_region |= b.region_blocks != 1;
+  }
   if (all_store) return "none";
+  if (any_region) {
+    for (int64_t n = 2; n <= L; ++n) {
+      const auto seg = BlockCheckpointing::segments(L, n);
+      bool match = true;
+      for (int64_t i = 0; i < L;) {
+        if (seg.blocks[i]) {
+          const int64_t k = seg.region_length[i];
+          match &= blocks[i].mode == BlockMode::kCheckpoint && blocks[i].region_blocks == k;
+          for (int64_t j = i + 1; j < i + k; ++j) {
+            match &= blocks[j].region_blocks == 0;
+          }
+          i += k;
+        } else {
+          match &= blocks[i].mode == BlockMode::kStore;
+          ++i;
+        }
+      }
+      if (match) return n == sqrt_segments(L) ? "sqrt" : "segments_" + std::to_string(n);
+    }
+    return "segments";
+  }
   if (all_ckpt) return "full";
   if (any_sel) {
     bool uniform = true;
@@ -815,8 +854,14 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
     }
   }
   for (int64_t i = 0; i < L; ++i) {
-    if (blocks[i].mode == BlockMode::kCheckpoint) {
+    if (blocks[i].mode == BlockMode::kCheckpoint && blocks[i].region_blocks >= 1) {
       plan.blocks[i] = true;
+      if (blocks[i].region_blocks > 1) {
+        if (plan.region_length.empty()) {
+          plan.region_length.assign(L, 1);
+        }
+        plan.region_length[i] = blocks[i].region_blocks;
+      }
     }
   }
   plan.name = name;
@@ -856,26 +901,37 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
   std::lock_guard<std::mutex> lock(prediction_mutex());
   const OpCostFn cost_fn = options.op_cost() ? options.op_cost() : OpCostFn(flop_cost);
   const int64_t L = o.num_layers();
-  TransformerBlock block{nullptr};
+  // Up to max_region_blocks distinct blocks on meta (a segment needs its own
+  // parameters per block: shared ones would accumulate one gradient).
+  const int64_t max_region = std::clamp<int64_t>(options.max_region_blocks(), 1, L);
+  std::vector<TransformerBlock> blocks;
   {
     MetaInitGuard meta;  // built on meta: nothing allocated, whatever d_model is
-    block = TransformerBlock(o.d_model(), o.num_heads());
+    for (int64_t j = 0; j < max_region; ++j) {
+      blocks.push_back(TransformerBlock(o.d_model(), o.num_heads()));
+    }
   }
   int64_t block_param_bytes = 0;
-  for (const auto& p : block->parameters()) {
+  for (const auto& p : blocks[0]->parameters()) {
     block_param_bytes += storage_bytes(p);
   }
   const int64_t input_bytes = o.batch() * o.seq_len() * o.d_model() * 4;
 
-  // Candidates per block: index 0 profiles block 0 (input without grad), 1 the others.
-  std::array<std::vector<BlockProfile>, 2> cands;
+  // Candidates: cands[first][k - 1] are the regions of k blocks starting at
+  // block 0 (first = 0: its input needs no grad) or at a later block.
+  std::array<std::vector<std::vector<BlockProfile>>, 2> cands;
   double forward_cost_block = 0;
   for (int first = 0; first < 2; ++first) {
     const bool grad_input = first == 1;
-    auto& c = cands[first];
-    c.push_back(profile_block(block, o, BlockMode::kStore, {}, grad_input, cost_fn));
-    c.push_back(profile_block(block, o, BlockMode::kCheckpoint, {}, grad_input, cost_fn));
-    const auto& ckpt = c.back();
+    cands[first].resize(max_region);
+    auto& c = cands[first][0];
+    c.push_back(profile_block(blocks, 1, o, BlockMode::kStore, {}, grad_input, cost_fn));
+    c.push_back(profile_block(blocks, 1, o, BlockMode::kCheckpoint, {}, grad_input, cost_fn));
+    for (int64_t k = 2; k <= max_region; ++k) {
+      cands[first][k - 1].push_back(
+          profile_block(blocks, k, o, BlockMode::kCheckpoint, {}, grad_input, cost_fn));
+    }
+    const auto ckpt = c[1];
     forward_cost_block = ckpt.forward_cost;
     if (!options.selective()) {
       continue;
@@ -890,7 +946,7 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
       if (!cacheable) {
         continue;
       }
-      auto one = profile_block(block, o, BlockMode::kSelective, {call}, grad_input, cost_fn);
+      auto one = profile_block(blocks, 1, o, BlockMode::kSelective, {call}, grad_input, cost_fn);
       const double saved = ckpt.choice.recompute_cost - one.choice.recompute_cost;
       if (saved <= 0) {
         continue;  // not recomputed anyway (early stop), or free
@@ -905,52 +961,24 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
     std::vector<std::string> prefix;
     for (const auto& r : ranked) {
       prefix.push_back(r.call);
-      c.push_back(profile_block(block, o, BlockMode::kSelective, prefix, grad_input, cost_fn));
+      c.push_back(profile_block(blocks, 1, o, BlockMode::kSelective, prefix, grad_input, cost_fn));
     }
   }
   const HeadProfile head = profile_head(o);
-  const int64_t adamw_transient = options.adamw() ? profile_adamw(block) : 0;
+  const int64_t adamw_transient = options.adamw() ? profile_adamw(blocks[0]) : 0;
 
   const int64_t params = block_param_bytes * L;
   const int64_t grads = params;
   const int64_t optimizer_state = options.adamw() ? 2 * params : 0;
   const int64_t Z = params + optimizer_state + input_bytes;
 
-  // The dynamic program.
+  // The dynamic program over block boundaries: layers[i] holds the states
+  // after blocks 0 .. i - 1; a region of k blocks moves from i to i + k.
   std::vector<std::vector<DpState>> layers(L + 1);
   layers[0].push_back(DpState{});
+  std::vector<std::vector<DpState>> incoming(L + 1);
   int64_t num_candidates = 0;
-  for (int64_t i = 0; i < L; ++i) {
-    const auto& c = cands[i == 0 ? 0 : 1];
-    num_candidates += static_cast<int64_t>(c.size());
-    const int64_t grads_after = block_param_bytes * (L - 1 - i);
-    std::vector<DpState> next;
-    for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
-      const auto& st = layers[i][s];
-      for (int k = 0; k < static_cast<int>(c.size()); ++k) {
-        const auto& ch = c[k].choice;
-        // Block 0's input is the step's input, already in Z.
-        const int64_t stored = ch.stored_bytes - (i == 0 ? input_bytes : 0);
-        const int64_t fwd = Z + st.stored + ch.forward_peak_bytes - (i == 0 ? input_bytes : 0);
-        const int64_t bwd = Z + st.stored + stored + grads_after + ch.backward_transient_bytes;
-        DpState n;
-        n.stored = st.stored + stored;
-        n.cost = st.cost + ch.recompute_cost;
-        n.peak = st.peak;
-        n.phase = st.phase;
-        if (fwd > n.peak) {
-          n.peak = fwd;
-          n.phase = StepPhase::kForward;
-        }
-        if (bwd > n.peak) {
-          n.peak = bwd;
-          n.phase = StepPhase::kBackward;
-        }
-        n.parent = s;
-        n.option = k;
-        next.push_back(n);
-      }
-    }
+  auto prune = [](std::vector<DpState> next) {
     // Pareto: drop a state another matches or beats in stored, cost and peak.
     std::sort(next.begin(), next.end(), [](const DpState& a, const DpState& b) {
       return std::tie(a.stored, a.cost, a.peak) < std::tie(b.stored, b.cost, b.peak);
@@ -968,8 +996,46 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
         kept.push_back(n);
       }
     }
-    layers[i + 1] = std::move(kept);
+    return kept;
+  };
+  for (int64_t i = 0; i < L; ++i) {
+    if (i > 0) {
+      layers[i] = prune(std::move(incoming[i]));
+    }
+    for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
+      const auto& c = cands[i == 0 ? 0 : 1][k - 1];
+      num_candidates += static_cast<int64_t>(c.size());
+      const int64_t grads_after = block_param_bytes * (L - i - k);
+      for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
+        const auto& st = layers[i][s];
+        for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
+          const auto& ch = c[opt].choice;
+          // Block 0's input is the step's input, already in Z.
+          const int64_t stored = ch.stored_bytes - (i == 0 ? input_bytes : 0);
+          const int64_t fwd = Z + st.stored + ch.forward_peak_bytes - (i == 0 ? input_bytes : 0);
+          const int64_t bwd = Z + st.stored + stored + grads_after + ch.backward_transient_bytes;
+          DpState n;
+          n.stored = st.stored + stored;
+          n.cost = st.cost + ch.recompute_cost;
+          n.peak = st.peak;
+          n.phase = st.phase;
+          if (fwd > n.peak) {
+            n.peak = fwd;
+            n.phase = StepPhase::kForward;
+          }
+          if (bwd > n.peak) {
+            n.peak = bwd;
+            n.phase = StepPhase::kBackward;
+          }
+          n.parent = s;
+          n.option = opt;
+          n.region = k;
+          incoming[i + k].push_back(n);
+        }
+      }
+    }
   }
+  layers[L] = prune(std::move(incoming[L]));
   // Final phases: the loss head and the optimizer step.
   std::vector<DpState> finals = layers[L];
   for (auto& f : finals) {
@@ -1022,11 +1088,18 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
   plan.num_candidates = num_candidates;
   plan.blocks.resize(L);
   int64_t s = chosen;
-  for (int64_t i = L; i >= 1; --i) {
+  for (int64_t i = L; i >= 1;) {
     const auto& st = i == L ? end : layers[i][s];
-    const auto& c = cands[i - 1 == 0 ? 0 : 1];
-    plan.blocks[i - 1] = c[st.option].choice;
+    const int64_t start = i - st.region;
+    const auto& c = cands[start == 0 ? 0 : 1][st.region - 1];
+    plan.blocks[start] = c[st.option].choice;
+    for (int64_t j = start + 1; j < i; ++j) {  // inside the region: nothing of their own
+      plan.blocks[j] = BlockChoice{};
+      plan.blocks[j].mode = BlockMode::kCheckpoint;
+      plan.blocks[j].region_blocks = 0;
+    }
     s = st.parent;
+    i = start;
   }
   plan.activation_bytes = head.stored_bytes;
   for (const auto& b : plan.blocks) {
@@ -1041,7 +1114,7 @@ std::string to_string(const CheckpointPlan& p) {
   os << fmt::format("checkpoint plan '{}' for a budget of {} B: {}\n", p.name,
                     p.budget_bytes > 0 ? commas(p.budget_bytes) : std::string("(none)"),
                     p.feasible ? "fits" : "NO PLAN FITS");
-  os << fmt::format("  {:<6}{:<12}{:>16}{:>18}{:>16}  {}\n", "block", "mode", "stored B",
+  os << fmt::format("  {:<6}{:<14}{:>16}{:>18}{:>16}  {}\n", "block", "mode", "stored B",
                     "bwd transient B", "recompute", "saved ops");
   for (size_t i = 0; i < p.blocks.size(); ++i) {
     const auto& b = p.blocks[i];
@@ -1049,7 +1122,10 @@ std::string to_string(const CheckpointPlan& p) {
     for (const auto& s : b.saved_ops) {
       ops += (ops.empty() ? "" : " ") + s;
     }
-    os << fmt::format("  {:<6}{:<12}{:>16}{:>18}{:>16.4g}  {}\n", i, to_string(b.mode),
+    const std::string mode = b.region_blocks == 0 ? "  (region)"
+        : b.region_blocks > 1 ? to_string(b.mode) + " x" + std::to_string(b.region_blocks)
+                              : to_string(b.mode);
+    os << fmt::format("  {:<6}{:<14}{:>16}{:>18}{:>16.4g}  {}\n", i, mode,
                       commas(b.stored_bytes), commas(b.backward_transient_bytes), b.recompute_cost,
                       ops);
   }

@@ -78,9 +78,36 @@ torch::Tensor TransformerImpl::forward(torch::Tensor x, const BlockCheckpointing
   TORCH_CHECK(static_cast<int64_t>(plan.blocks.size()) == options.num_layers(),
               "Transformer::forward: the checkpoint plan '", plan.name, "' has ",
               plan.blocks.size(), " blocks, but the model has ", options.num_layers());
-  for (int64_t i = 0; i < options.num_layers(); ++i) {
-    auto b = block(i);
-    x = plan.blocks[i] ? checkpoint(b, x, plan.options_for(i)) : b->forward(x);
+  TORCH_CHECK(plan.region_length.empty() || plan.region_length.size() == plan.blocks.size(),
+              "Transformer::forward: the plan '", plan.name, "' has ", plan.region_length.size(),
+              " region lengths, expected 0 or ", plan.blocks.size());
+  const int64_t L = options.num_layers();
+  for (int64_t i = 0; i < L;) {
+    const int64_t k = plan.region_length.empty() ? 1 : std::max<int64_t>(1, plan.region_length[i]);
+    if (!plan.blocks[i]) {
+      x = block(i)->forward(x);
+      ++i;
+    } else if (k == 1) {
+      x = checkpoint(block(i), x, plan.options_for(i));
+      ++i;
+    } else {
+      TORCH_CHECK(i + k <= L, "Transformer::forward: the region of ", k, " blocks at block ", i,
+                  " of plan '", plan.name, "' runs past the last block (", L, ")");
+      std::vector<TransformerBlock> region;
+      for (int64_t j = i; j < i + k; ++j) {
+        region.push_back(block(j));
+      }
+      x = checkpoint(
+          [region](const at::Tensor& t) mutable {
+            at::Tensor y = t;
+            for (auto& b : region) {
+              y = b->forward(y);
+            }
+            return y;
+          },
+          x, plan.options_for(i));
+      i += k;
+    }
   }
   return x;
 }
@@ -122,6 +149,27 @@ BlockCheckpointing BlockCheckpointing::chosen(int64_t n, const std::vector<int64
     p.blocks[i] = true;
   }
   p.name = which.empty() ? "none" : "chosen";
+  return p;
+}
+
+BlockCheckpointing BlockCheckpointing::segments(int64_t n, int64_t num_segments) {
+  TORCH_CHECK(num_segments >= 1 && num_segments <= n,
+              "BlockCheckpointing::segments: expected 1 <= num_segments <= ", n,
+              " (the number of blocks), but got ", num_segments);
+  auto p = none(n);
+  p.region_length.assign(n, 1);
+  const int64_t size = n / num_segments;
+  for (int64_t s = 0, begin = 0; s + 1 < num_segments; ++s, begin += size) {
+    p.blocks[begin] = true;
+    p.region_length[begin] = size;
+  }
+  p.name = "segments_" + std::to_string(num_segments);
+  return p;
+}
+
+BlockCheckpointing BlockCheckpointing::sqrt(int64_t n) {
+  auto p = segments(n, sqrt_segments(n));
+  p.name = "sqrt";
   return p;
 }
 

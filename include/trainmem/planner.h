@@ -214,6 +214,10 @@ struct BlockChoice {
   int64_t forward_peak_bytes = 0;
   /// What its recompute costs, in the unit of the planner's OpCostFn.
   double recompute_cost = 0;
+  /// Blocks of the checkpointed region that starts here: 1 (the block alone),
+  /// k > 1 (a segment of k blocks, Chen et al.; its bytes and cost are on this
+  /// entry), or 0 (a block inside a segment that started earlier).
+  int64_t region_blocks = 1;
 };
 
 /// The policy that caches exactly the listed op calls ("aten::mm.default#0",
@@ -236,6 +240,9 @@ struct PlanOptions {
   /// Also consider per-op selective choices inside blocks (else whole blocks
   /// only: store or checkpoint).
   TORCH_ARG(bool, selective) = true;
+  /// Longest run of consecutive blocks checkpointed as one region (segments
+  /// that keep one input for several blocks; 1: each block on its own).
+  TORCH_ARG(int64_t, max_region_blocks) = 8;
   /// The step includes an AdamW step (its state, 8 B per parameter, is live
   /// all step, and its transients count).
   TORCH_ARG(bool, adamw) = true;

@@ -53,6 +53,11 @@ struct BlockCheckpointing {
   /// Empty (every checkpointed block uses `options`), or one entry per block:
   /// the options of block i's checkpoint call (a selective policy per block).
   std::vector<CheckpointOptions> block_options;
+  /// Empty (each checkpointed block is a region of its own), or one entry per
+  /// block: region_length[i] = k > 1 checkpoints blocks i .. i + k - 1 as one
+  /// region (blocks[i] must be set; the entries of the blocks it covers are
+  /// ignored), so only block i's input is kept for all k (Chen et al.).
+  std::vector<int64_t> region_length;
   std::string name = "none";      ///< "none", "full", "every_2", "selective"...
 
   /// The options block i is checkpointed with: block_options[i] when set,
@@ -73,6 +78,12 @@ struct BlockCheckpointing {
   static BlockCheckpointing selective(int64_t num_layers, SelectivePolicy policy);
   /// The given blocks.
   static BlockCheckpointing chosen(int64_t num_layers, const std::vector<int64_t>& which);
+  /// checkpoint_sequential's split: `num_segments` runs of L / num_segments
+  /// consecutive blocks (the last takes the rest), all but the last
+  /// checkpointed as one region each. Throws unless 1 <= num_segments <= L.
+  static BlockCheckpointing segments(int64_t num_layers, int64_t num_segments);
+  /// segments(L, sqrt_segments(L)): Chen et al.'s sqrt(L) rule.
+  static BlockCheckpointing sqrt(int64_t num_layers);
 };
 
 /// One pre-LN block. forward: (B, T, d) -> (B, T, d).
