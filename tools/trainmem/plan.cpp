@@ -45,6 +45,7 @@ nlohmann::json plan_json(const CheckpointPlan& p) {
   for (const auto& b : p.blocks) {
     blocks.push_back({{"mode", to_string(b.mode)},
                       {"saved_ops", b.saved_ops},
+                      {"region_blocks", b.region_blocks},
                       {"stored_bytes", b.stored_bytes},
                       {"backward_transient_bytes", b.backward_transient_bytes},
                       {"forward_peak_bytes", b.forward_peak_bytes},
@@ -174,7 +175,7 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--budget", f->budget, "peak bytes for the whole step: 40MiB, 64MB, 1GiB, 50000000")
       ->required();
   sub->add_flag("--json", f->json, "print one JSON document instead of text");
-  sub->add_flag("--no-selective", f->no_selective, "whole blocks only (store or checkpoint)");
+  sub->add_flag("--no-selective", f->no_selective, "whole blocks only (store, checkpoint, segments)");
   sub->add_flag("--no-run", f->no_run, "plan only; do not run the plan");
   sub->callback([f] { run(*f); });
 }
