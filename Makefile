@@ -26,8 +26,9 @@ build: configure
 
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 
+# The demo is `trainmem audit` on its defaults: the seed's capstone, audited.
 demo: build
-	@$(BUILD)/examples/capstone $(ARGS)
+	@$(BUILD)/tools/trainmem/trainmem audit $(ARGS)
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
@@ -42,6 +43,26 @@ PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 compare: configure
 	cmake --build $(BUILD) --target trainmem_compare -j $(JOBS)
 	$(PYTHON) bench/compare/compare.py --build $(BUILD) --python $(PYTHON) $(ARGS)
+
+# Compile-only check of the CUDA code paths against the CUDA wheel (torch
+# 2.14.1 in .venv-cuda) with the machine's nvcc. Not part of `make test`: it
+# needs no GPU, but a 5.5 GB wheel and a second build.
+CUDA_BUILD ?= build-cuda
+# The toolkit, not a wrapper script on PATH: FindCUDA looks beside nvcc.
+CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda) $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v nvcc))))
+cuda-check:
+	@mkdir -p $(CUDA_BUILD)
+	@TRAINMEM_VENV=.venv-cuda TRAINMEM_TORCH_VERSION=2.14.1 scripts/bootstrap.sh > $(CUDA_BUILD)/.prefix.tmp \
+	  && mv $(CUDA_BUILD)/.prefix.tmp $(CUDA_BUILD)/.prefix
+	cmake -S . -B $(CUDA_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(CONFIG) \
+	  -DCMAKE_PREFIX_PATH="$$(cat $(CUDA_BUILD)/.prefix)" -DTRAINMEM_BUILD_BENCH=OFF \
+	  -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc \
+	  $$(f=$$(ls .venv-cuda/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -1); \
+	     test -n "$$f" && echo -DCUDA_nvrtc_LIBRARY=$$PWD/$$f) \
+	  $$(command -v ccache >/dev/null && echo -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+	@grep -q "TRAINMEM_WITH_CUDA" $(CUDA_BUILD)/build.ninja || { echo "cuda-check: LibTorch in $(CUDA_BUILD) has no CUDA" >&2; exit 1; }
+	cmake --build $(CUDA_BUILD) -j $(JOBS) --target trainmem trainmem_cli trainmem_tests
+	@echo "cuda-check: trainmem, the trainmem command and the tests compile against $$(cat $(CUDA_BUILD)/.prefix)"
 
 clean:
 	rm -rf $(BUILD)

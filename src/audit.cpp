@@ -303,6 +303,7 @@ struct Audit::Impl {
         running_total = before;
       }
     }
+    std::unordered_set<uint64_t> allocated;  // addresses allocated in this step
     for (const auto& r : raw) {
       MemoryEvent e;
       e.time_ns = r.time_ns - origin_ns;
@@ -312,6 +313,7 @@ struct Audit::Impl {
       e.step = step_index;
       running_total += r.bytes;
       if (r.bytes > 0) {
+        allocated.insert(e.address);
         if (push_event(e)) {
           live[e.address] = Alloc{timeline.events.size() - 1, false};
         }
@@ -337,7 +339,8 @@ struct Audit::Impl {
     // An input made before recording sits in the baseline as unknown:
     // move its bytes to INPUT from the step's start, once.
     for (const auto& in : inputs) {
-      if (live.count(in.address) == 0 && known_inputs.insert(in.address).second) {
+      if (allocated.count(in.address) == 0 && live.count(in.address) == 0 &&
+          known_inputs.insert(in.address).second) {
         push_event(MemoryEvent{step_begin_ns, -in.bytes, 0, Category::kUnknown, Phase::kForward, step_index});
         push_event(MemoryEvent{step_begin_ns, in.bytes, 0, Category::kInput, Phase::kForward, step_index});
       }

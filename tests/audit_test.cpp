@@ -90,9 +90,11 @@ TEST(AuditTest, SeedMlpStepIsExplainedByteForByte) {
   EXPECT_EQ(r.peak_bytes, r.steps[0].peak_bytes);
   EXPECT_EQ(r.peak_by_category[static_cast<int>(Category::kParameter)], kMlpParamBytes);
 
-  // When backward starts: the saved tensors less x (INPUT), plus the loss.
+  // When backward starts: the saved tensors less x (INPUT), plus the loss
+  // and backward's seed gradient (ones_like(loss), made before the engine
+  // starts), 4 B each.
   const auto before_backward = point_at(all, r.phases[1].begin_ns);
-  EXPECT_EQ(at_cat(before_backward, Category::kActivation), 36864 - 16 * 32 * 4 + 4);
+  EXPECT_EQ(at_cat(before_backward, Category::kActivation), 36864 - 16 * 32 * 4 + 4 + 4);
   EXPECT_EQ(at_cat(before_backward, Category::kInput), 16 * 32 * 4);
   // At the end: the new gradients and momentum buffers are named as such.
   EXPECT_EQ(at_cat(all.back(), Category::kGradient), kMlpParamBytes);

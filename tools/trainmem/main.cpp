@@ -20,9 +20,7 @@ int main(int argc, char** argv) {
   trainmem::cli::add_audit_command(app);
   trainmem::cli::add_estimate_command(app);
   trainmem::cli::add_report_command(app);
-#ifdef TRAINMEM_HAVE_PLAN
   trainmem::cli::add_plan_command(app);
-#endif
   try {
     app.parse(argc, argv);  // subcommand callbacks run in here
   } catch (const CLI::Success& e) {
