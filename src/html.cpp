@@ -114,8 +114,8 @@ std::string svg_plot(const AuditReport& r) {
   }
   for (int i = 0; i <= 4; ++i) {
     const double t = t0 + (t1 - t0) * i / 4.0;
-    svg += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"11\" text-anchor=\"middle\">{:.1f} ms</text>\n",
-                       x(t), kH - 14, (t - t0) / 1e6);
+    svg += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"11\" text-anchor=\"{}\">{:.1f} ms</text>\n",
+                       x(t), kH - 14, i == 0 ? "start" : i == 4 ? "end" : "middle", (t - t0) / 1e6);
   }
   svg += "</svg>\n<p class=\"legend\">";
   for (const auto& [cat, colour] : kStack) {

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include "trainmem/transformer.h"
 
@@ -106,6 +107,25 @@ TEST(TrainerTest, BadOptionsNameTheValue) {
   EXPECT_NE(message(TrainerOptions().steps(0)).find("steps >= 1, but got 0"), std::string::npos);
   EXPECT_THROW(trainmem::parse_precision("fp8"), c10::Error);
   EXPECT_EQ(trainmem::parse_precision("bf16-autocast"), trainmem::Precision::kBf16Autocast);
+}
+
+// On a GPU the same audit reads the caching allocator: exact static bytes,
+// the capstone's saved bytes (nearly), and peaks per phase from its peak statistics.
+TEST(TrainerCudaTest, CapstoneOnTheGpu) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const auto run = trainmem::train(one_step().device("cuda"));
+  const auto& r = run.report;
+  EXPECT_EQ(r.device, "cuda:0");
+  EXPECT_EQ(bucket(r, "parameters"), 4758528);
+  // CUDA's attention kernels save other side tensors than CPU's (seeds,
+  // log-sum-exp layout): within 2 % of the CPU count, not byte for byte.
+  EXPECT_NEAR(static_cast<double>(r.saved_activation_bytes) / 51052544.0, 1.0, 0.02);
+  ASSERT_EQ(r.steps.size(), 1u);
+  EXPECT_GT(r.steps[0].backward_peak_bytes, 4758528 + 51052544);
+  EXPECT_GE(r.device_stats.reserved_bytes, r.device_stats.allocated_bytes);
+  EXPECT_TRUE(r.series.empty());  // no CPU timeline on CUDA
 }
 
 } // namespace
