@@ -55,6 +55,9 @@ struct MeterState {
     int64_t bytes;
   };
   std::vector<Pending> pending;
+  // pending.back().depth, or -1 when nothing is pending: read without the
+  // lock at every op end, so the ops that save nothing (most) never lock.
+  std::atomic<int64_t> pending_depth{-1};
   std::atomic<bool> active{false};
 
   void exclude(const at::Tensor& t) {
@@ -108,13 +111,14 @@ struct MeterState {
       attribute(label, new_bytes, 1);
     } else {
       pending.push_back({depth, new_bytes});
+      pending_depth.store(depth, std::memory_order_relaxed);
     }
   }
 
-  // True when packs made at op depth >= `depth` await a node name.
-  bool has_pending(int64_t depth) {
-    std::lock_guard<std::mutex> lock(mutex);
-    return !pending.empty() && pending.back().depth >= depth;
+  // True when packs made at op depth >= `depth` await a node name. Lock-free:
+  // pending is pushed and popped on the thread whose scope is active.
+  bool has_pending(int64_t depth) const {
+    return pending_depth.load(std::memory_order_relaxed) >= depth;
   }
 
   // Attributes the packs made at op depth >= `depth` to `node`.
@@ -126,6 +130,7 @@ struct MeterState {
       tensors += 1;
       pending.pop_back();
     }
+    pending_depth.store(pending.empty() ? -1 : pending.back().depth, std::memory_order_relaxed);
     if (tensors != 0) {
       attribute(node, bytes, tensors);
     }
@@ -297,6 +302,7 @@ void SavedTensorMeter::reset() {
   state_->totals = SavedTensorReport{};
   state_->by_node.clear();
   state_->pending.clear();
+  state_->pending_depth.store(-1);
 }
 
 bool SavedTensorMeter::active() const {
