@@ -10,7 +10,9 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <ATen/Context.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/Generator.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_scaled_dot_product_attention_math.h>
@@ -658,6 +660,17 @@ struct BlockProfile {
 // Runs block `block` alone on meta under `mode` (and `saved_ops`), with the
 // loss (y * 2).sum() so the incoming gradient is made by backward itself, as
 // in the stack. `grad_input`: the block's input requires grad (not block 0).
+// The CPU generator's state, as a checkpoint stashes it (a CPU tensor even
+// when the region runs on meta or CUDA).
+int64_t cpu_rng_state_bytes() {
+  static const int64_t bytes = [] {
+    auto gen = at::globalContext().defaultGenerator(at::kCPU);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return static_cast<int64_t>(gen.get_state().nbytes());
+  }();
+  return bytes;
+}
+
 // `num_blocks` > 1: blocks[0 .. num_blocks) as one region (a segment).
 BlockProfile profile_block(std::vector<TransformerBlock>& blocks, int64_t num_blocks,
                            const TransformerOptions& o, BlockMode mode,
@@ -734,6 +747,7 @@ BlockProfile profile_block(std::vector<TransformerBlock>& blocks, int64_t num_bl
   x = at::Tensor();
   reset_grads();
   prof.choice.recompute_cost = mode == BlockMode::kStore ? 0.0 : *recompute_cost;
+  prof.choice.rng_state_bytes = mode == BlockMode::kStore ? 0 : cpu_rng_state_bytes();
   prof.forward_cost = *forward_cost;
   prof.calls = *calls;
   return prof;
@@ -1011,8 +1025,9 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
         for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
           const auto& ch = c[opt].choice;
           // Block 0's input is the step's input, already in Z.
-          const int64_t stored = ch.stored_bytes - (i == 0 ? input_bytes : 0);
-          const int64_t fwd = Z + st.stored + ch.forward_peak_bytes - (i == 0 ? input_bytes : 0);
+          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes - (i == 0 ? input_bytes : 0);
+          const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
+              (i == 0 ? input_bytes : 0);
           const int64_t bwd = Z + st.stored + stored + grads_after + ch.backward_transient_bytes;
           DpState n;
           n.stored = st.stored + stored;

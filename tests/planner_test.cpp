@@ -207,9 +207,10 @@ TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllBut
   EXPECT_EQ(plan.predicted_peak_bytes, 67687940);
   EXPECT_EQ(plan.peak_phase, trainmem::StepPhase::kBackward);
   // The smallest peak: every block checkpointed but the last (its backward
-  // comes first, with nothing else to free): the whole step simulated on
-  // meta gives full 29,546,504 B, the same.
-  EXPECT_EQ(plan.min_peak_bytes, 29546500);
+  // comes first, with nothing else to free). Measured for full on CPU:
+  // 29,551,560 B = the meta step's 29,546,504 B + block 0's CPU RNG state
+  // (5,056 B), which the planner counts: the same, less the loss scalar.
+  EXPECT_EQ(plan.min_peak_bytes, 29546500 + 5056);
   const auto tight = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(plan.min_peak_bytes));
   ASSERT_TRUE(tight.feasible);
   for (int64_t i = 0; i + 1 < o.num_layers(); ++i) {
@@ -223,7 +224,7 @@ TEST(PlannerTest, ImpossibleBudgetSaysTheSmallestReachablePeakAndItsCost) {
   TransformerOptions o;
   const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(20 << 20));
   EXPECT_FALSE(plan.feasible);
-  EXPECT_EQ(plan.min_peak_bytes, 29546500);
+  EXPECT_EQ(plan.min_peak_bytes, 29546500 + 5056);
   EXPECT_EQ(plan.predicted_peak_bytes, plan.min_peak_bytes);  // the plan given is that one
   EXPECT_EQ(plan.recompute_cost, plan.min_peak_cost);
   EXPECT_GT(plan.min_peak_cost, 0.0);
@@ -350,9 +351,14 @@ TEST(PlannerTest, DeepStackUsesSegmentsForItsSmallestPeak) {
   const auto simulated = trainmem::predict_step_peak(*meta, [&] {
     return meta->forward(at::empty({32, 128, 32}, at::kMeta), checkpointing).pow(2).mean();
   }, &opt);
-  std::cout << "composed " << plan.predicted_peak_bytes << " B, simulated " << simulated.peak_bytes << " B\n";
-  EXPECT_NEAR(static_cast<double>(simulated.peak_bytes), static_cast<double>(plan.predicted_peak_bytes),
-              0.001 * static_cast<double>(plan.predicted_peak_bytes));
+  // The composed peak also counts the regions' CPU RNG states alive at the
+  // peak (5,056 B each), which the meta step does not see.
+  int64_t num_regions = 0;
+  for (const auto& b : plan.blocks) num_regions += b.region_blocks >= 1 && b.mode != trainmem::BlockMode::kStore;
+  std::cout << "composed " << plan.predicted_peak_bytes << " B, simulated " << simulated.peak_bytes
+            << " B, " << num_regions << " regions\n";
+  EXPECT_GE(plan.predicted_peak_bytes + 4, simulated.peak_bytes);
+  EXPECT_LE(plan.predicted_peak_bytes, simulated.peak_bytes + num_regions * 5056);
   EXPECT_EQ(simulated.activation_bytes, plan.activation_bytes);
 }
 

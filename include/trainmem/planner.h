@@ -214,6 +214,11 @@ struct BlockChoice {
   int64_t forward_peak_bytes = 0;
   /// What its recompute costs, in the unit of the planner's OpCostFn.
   double recompute_cost = 0;
+  /// CPU bytes a checkpointed region keeps from its forward to its backward
+  /// beside its tensors: the CPU RNG state (preserve_rng_state), 5,056 B in
+  /// LibTorch 2.13; 0 for a stored block. Counted in the planner's peak (its
+  /// step runs on CPU), not in stored_bytes (the meter does not see it).
+  int64_t rng_state_bytes = 0;
   /// Blocks of the checkpointed region that starts here: 1 (the block alone),
   /// k > 1 (a segment of k blocks, Chen et al.; its bytes and cost are on this
   /// entry), or 0 (a block inside a segment that started earlier).
