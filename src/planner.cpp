@@ -657,9 +657,6 @@ struct BlockProfile {
   std::vector<std::tuple<std::string, double, bool>> calls;
 };
 
-// Runs block `block` alone on meta under `mode` (and `saved_ops`), with the
-// loss (y * 2).sum() so the incoming gradient is made by backward itself, as
-// in the stack. `grad_input`: the block's input requires grad (not block 0).
 // The CPU generator's state, as a checkpoint stashes it (a CPU tensor even
 // when the region runs on meta or CUDA).
 int64_t cpu_rng_state_bytes() {
@@ -671,7 +668,10 @@ int64_t cpu_rng_state_bytes() {
   return bytes;
 }
 
-// `num_blocks` > 1: blocks[0 .. num_blocks) as one region (a segment).
+// Runs blocks[0 .. num_blocks) alone on meta under `mode` (and `saved_ops`;
+// num_blocks > 1: one checkpointed region, a segment), with the loss
+// (y * 2).sum() so the incoming gradient is made by backward itself, as in
+// the stack. `grad_input`: the input requires grad (not for block 0).
 BlockProfile profile_block(std::vector<TransformerBlock>& blocks, int64_t num_blocks,
                            const TransformerOptions& o, BlockMode mode,
                            const std::vector<std::string>& saved_ops, bool grad_input,
@@ -884,28 +884,27 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
 
 // Note [Checkpoint planner]
 // The step is forward, loss out.pow(2).mean(), backward, AdamW step. Every
-// block choice c (store, checkpoint, or a selective set) is profiled once,
-// alone on meta: stored(c) (bytes kept from its forward to its backward, its
-// input included), F(c) (its forward's peak above what came before, input
-// and output included), W(c) (its backward's peak above its stored bytes:
-// incoming gradient, recompute, its gradients, temporaries) and cost(c). With
-// S_i the bytes stored by blocks before i, Z the static bytes (parameters,
-// AdamW state, the input) and G_{>i} the gradients of the blocks after i:
+// choice c for a block (store, checkpoint, a selective set) or for a run of k
+// blocks (one checkpointed region, a segment) is profiled once, alone on
+// meta: stored(c) (kept from its forward to its backward, input included,
+// plus the region's CPU RNG stash), F(c) (its forward's peak), W(c) (its
+// backward's peak above its stored bytes: incoming gradient, recompute, its
+// gradients, temporaries) and cost(c). With S_i the bytes stored before
+// block i, Z = parameters + AdamW state + input, G_>i later blocks' gradients:
 //   forward of block i   Z + S_i + F_i
-//   backward of block i  Z + S_i + stored_i + G_{>i} + W_i
+//   backward of block i  Z + S_i + stored_i + G_>i + W_i
 //   loss head            Z + S_L + (its forward peak, or stored + backward)
 //   optimizer step       Z + G + AdamW transient
-// The peak is the largest. Every term grows with S_i, so a dynamic program
-// over blocks whose state is S_i, keeping per state the smallest (cost, peak)
-// and dropping states another beats in S, cost and peak (Pareto), is exact.
-// The cheapest final state within the budget wins, ties to the smaller peak:
-// so a larger budget never costs more recompute, and a smaller one never
-// gives a larger peak (PyTorch's activation_memory_budget can do both).
-// Selective candidates: each cacheable op call k of the block is profiled
-// alone (bytes it adds, recompute it saves), ranked by recompute saved per
-// byte (free savings first), and the prefixes of that ranking are profiled
-// as sets (interactions, such as the pre-write copies of Note [In-place ops
-// on cached outputs], are then measured, not assumed).
+// Every term grows with S_i, so a dynamic program over block boundaries
+// whose state is S_i, keeping states no other beats in S, cost and peak
+// (Pareto), is exact for this model. The cheapest final state within the
+// budget wins, ties to the smaller peak: a larger budget never costs more
+// recompute, and a smaller one never gives a larger peak (PyTorch's
+// activation_memory_budget can do both). Selective candidates: each
+// cacheable op call is profiled alone (bytes it adds, recompute it saves),
+// ranked by recompute saved per byte, and the ranking's prefixes are profiled
+// as sets, so interactions (Note [In-place ops on cached outputs]'s copies)
+// are measured, not assumed.
 CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions& options) {
   TORCH_CHECK(options.budget_bytes() >= 0,
               "plan_checkpointing: expected budget_bytes >= 0, but got ", options.budget_bytes());
