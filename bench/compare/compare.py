@@ -11,7 +11,9 @@
    and the C++ side with the counting CPU allocator installed. Inside a
    process the variants are interleaved step by step. Ratios are taken within
    a round (same minute, same load) and summarised over rounds as
-   min / median / max.
+   min / median / max. A ratio inside one process (a variant against that
+   process's plain step) is the median of step-by-step ratios, each step
+   against the plain step run right beside it.
 
 Exit status 1 when bytes disagree or gradients differ beyond the tolerance;
 times never fail the run.
@@ -27,6 +29,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SKIPPED = 77  # ctest's SKIP_RETURN_CODE
 GRAD_RTOL = 1e-4  # max |diff| / max |value|, per variant
 
 # (variant, what both sides measure, does it have to agree exactly)
@@ -101,6 +104,13 @@ def medians(doc):
     return {v: statistics.median(d["ms"]) for v, d in doc["variants"].items()}
 
 
+def paired(doc, variant, base="plain"):
+    """Median over steps of variant / base, step i of one against step i of
+    the other: they ran back to back, so a change of load hits both."""
+    a, b = doc["variants"][variant]["ms"], doc["variants"][base]["ms"]
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def time_rounds(cpp, python, dir_, rounds, steps, warmup, log):
     procs = {
         "cpp": [cpp, "--time", "--steps", str(steps), "--warmup", str(warmup)],
@@ -118,23 +128,23 @@ def time_rounds(cpp, python, dir_, rounds, steps, warmup, log):
         got = {}
         for name in this:
             t0 = time.monotonic()
-            got[name] = medians(run_json(procs[name]))
+            got[name] = run_json(procs[name])
             log(f"round {r + 1}/{rounds}: {name} done in {time.monotonic() - t0:.1f} s")
         results.append(got)
     return results
 
 
-def summarise(results):
+def summarise(raw):
+    results = [{k: medians(d) for k, d in r.items()} for r in raw]
     table = []
     for cv, pv in TIME_PAIRS:
         ms_cpp = [r["cpp"][cv] for r in results]
         row = {"variant": cv, "cpp_ms": spread(ms_cpp),
-               "cpp_vs_own_plain": spread([r["cpp"][cv] / r["cpp"]["plain"] for r in results])}
+               "cpp_vs_own_plain": spread([paired(r["cpp"], cv) for r in raw])}
         if pv is not None:
             row["python_variant"] = pv
             row["python_ms"] = spread([r["python"][pv] for r in results])
-            row["python_vs_own_plain"] = spread(
-                [r["python"][pv] / r["python"]["plain"] for r in results])
+            row["python_vs_own_plain"] = spread([paired(r["python"], pv) for r in raw])
             row["cpp_over_python"] = spread([r["cpp"][cv] / r["python"][pv] for r in results])
         table.append(row)
     alloc = {
@@ -145,10 +155,9 @@ def summarise(results):
     alloc_meter = {
         "variant": "meter, counting CPU allocator (same process)",
         "cpp_ms": spread([r["cpp_allocator"]["meter"] for r in results]),
-        "cpp_vs_own_plain": spread(
-            [r["cpp_allocator"]["meter"] / r["cpp_allocator"]["plain"] for r in results]),
+        "cpp_vs_own_plain": spread([paired(r["cpp_allocator"], "meter") for r in raw]),
     }
-    return table + [alloc, alloc_meter]
+    return table + [alloc, alloc_meter], results
 
 
 def scaling(cpp, rounds, steps, warmup, log):
@@ -160,9 +169,8 @@ def scaling(cpp, rounds, steps, warmup, log):
         for _ in range(rounds):
             d = run_json([cpp, "--time", "--variants", "plain,meter", "--layers", str(L),
                           "--seq-len", str(T), "--steps", str(steps), "--warmup", str(warmup)])
-            m = medians(d)
-            ratios.append(m["meter"] / m["plain"])
-            plain.append(m["plain"])
+            ratios.append(paired(d, "meter"))
+            plain.append(medians(d)["plain"])
         log(f"scaling: L={L} T={T} meter/plain median {statistics.median(ratios):.3f}")
         out.append({"num_layers": L, "seq_len": T, "plain_ms": spread(plain),
                     "meter_vs_plain": spread(ratios)})
@@ -197,7 +205,9 @@ def print_report(doc):
     if "time" in doc:
         t = doc["time"]
         print(f"\nstep times, median [min, max] over {t['rounds']} interleaved rounds of "
-              f"{t['steps']} steps (per-round medians)")
+              f"{t['steps']} steps (per-round medians), {t['threads'] or 'default'} thread(s)")
+        if t["rounds"] * t["steps"] < 5:
+            print("  (quick mode: too few steps for these times to mean anything)")
         print(f"  {'variant':<46} {'C++ ms':>20} {'x C++ plain':>20} {'Python ms':>20} "
               f"{'x Py plain':>20} {'C++ / Python':>20}")
         for r in t["table"]:
@@ -205,6 +215,17 @@ def print_report(doc):
                   fmt_spread(r["cpp_over_python"])) if "python_ms" in r else ("", "", "")
             print(f"  {r['variant']:<46} {fmt_spread(r['cpp_ms'], '{:.1f}'):>20} "
                   f"{fmt_spread(r['cpp_vs_own_plain']):>20} {py[0]:>20} {py[1]:>20} {py[2]:>20}")
+    if "planner" in doc:
+        m = doc["planner"]["meta_70b"]
+        print(f"\n70 B meta build (LLaMA-2-70B's width and depth in these blocks): "
+              f"{m['build_ms']:.0f} ms, {commas(m['num_params'])} parameters "
+              f"({commas(m['param_bytes'])} B planned), {commas(m['cpu_allocated_bytes_while_building'])} B "
+              f"allocated on the CPU while building")
+        print("planner (plan_checkpointing) by depth and sequence length")
+        for r in doc["planner"]["planner"]:
+            print(f"  L={r['num_layers']:<3} T={r['seq_len']:<4} unconstrained {r['unconstrained_ms']:8.1f} ms"
+                  f"   budget 60 %: {r['budget_ms']:8.1f} ms ({r['budget_plan']}, "
+                  f"{'fits' if r['budget_feasible'] else 'does not fit'}, {r['num_candidates']} candidates)")
     if "scaling" in doc:
         print("\nmeter cost by depth and sequence length (C++, meter step / plain step)")
         for s in doc["scaling"]:
@@ -215,6 +236,7 @@ def print_report(doc):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="build", help="CMake build directory (default: build)")
+    ap.add_argument("--cpp", help="the trainmem_compare program (default: BUILD/bench/compare/...)")
     ap.add_argument("--python", default=sys.executable, help="Python with torch for the PyTorch side")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant per process")
@@ -226,6 +248,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="1 round of 1 step (for the ctest)")
     ap.add_argument("--check-only", action="store_true", help="bytes and gradients, no times")
     ap.add_argument("--scaling", action="store_true", help="also the meter's cost by depth and length")
+    ap.add_argument("--planner", action="store_true",
+                    help="also a 70 B meta build and the planner's cost by depth and length")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     a = ap.parse_args()
     if a.quick:
@@ -238,10 +262,15 @@ def main():
     if a.threads > 0:
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             CHILD_ENV[k] = str(a.threads)
-    cpp = os.path.join(a.build, "bench", "compare", "trainmem_compare")
+    cpp = a.cpp or os.path.join(a.build, "bench", "compare", "trainmem_compare")
     if not os.access(cpp, os.X_OK):
         raise SystemExit(f"compare: {cpp} not found; build it with cmake --build {a.build} "
                          f"--target trainmem_compare")
+    probe = subprocess.run([a.python, "-c", "import torch.utils.checkpoint"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CHILD_ENV)
+    if probe.returncode != 0:
+        print(f"compare: skipped: {a.python} cannot import torch", file=sys.stderr)
+        return SKIPPED
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     doc = {"schema": "trainmem-compare/1", "grad_rtol": GRAD_RTOL}
     with tempfile.TemporaryDirectory(prefix="trainmem-compare-") as dir_:
@@ -249,11 +278,19 @@ def main():
         doc["check"], doc["environment"], doc["agree"] = rows, env, ok
         log(f"check: bytes and gradients {'agree' if ok else 'DISAGREE'}")
         if not a.check_only:
-            results = time_rounds(cpp, a.python, dir_, a.rounds, a.steps, a.warmup, log)
+            raw = time_rounds(cpp, a.python, dir_, a.rounds, a.steps, a.warmup, log)
+            table, results = summarise(raw)
             doc["time"] = {"rounds": a.rounds, "threads": a.threads, "steps": a.steps, "warmup": a.warmup,
-                           "table": summarise(results), "per_round_medians_ms": results}
+                           "table": table, "per_round_medians_ms": results}
         if a.scaling:
-            doc["scaling"] = scaling(cpp, max(1, min(a.rounds, 3)), a.steps, a.warmup, log)
+            doc["scaling"] = scaling(cpp, max(1, min(a.rounds, 3)), min(a.steps, 6),
+                                     min(a.warmup, 1), log)
+    if a.planner:
+        tool = os.path.join(os.path.dirname(cpp), "trainmem_plan_scaling")
+        if not os.access(tool, os.X_OK):
+            raise SystemExit(f"compare: {tool} not found; build it with --target trainmem_plan_scaling")
+        doc["planner"] = run_json([tool])
+        log("planner: done")
     try:
         doc["loadavg_at_end"] = list(os.getloadavg())
     except OSError:
