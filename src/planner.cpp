@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -15,6 +16,7 @@
 #include <ATen/core/Generator.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <ATen/ops/_scaled_dot_product_attention_math.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/empty.h>
@@ -619,6 +621,104 @@ double flop_cost(const SelectiveOp& op) {
     }
   }
   return largest;
+}
+
+namespace {
+
+// Per-op CPU times, collected by thread-local RecordFunction callbacks (which
+// take no state: the table is thread-local while measuring).
+thread_local std::unordered_map<std::string, std::vector<double>>* tls_op_times = nullptr;
+
+struct OpTimer final : at::ObserverContext {
+  std::string key;
+  std::chrono::steady_clock::time_point start;
+};
+
+template <typename Inputs>
+std::string op_key(const std::string& name, const Inputs& inputs) {
+  std::string key = name;
+  for (const auto& v : inputs) {
+    key += '|';
+    if (v.isTensor()) {
+      for (auto d : v.toTensor().sizes()) {
+        key += std::to_string(d) + ',';
+      }
+    }
+  }
+  return key;
+}
+
+std::unique_ptr<at::ObserverContext> on_timed_op_start(const at::RecordFunction& fn) {
+  if (tls_op_times == nullptr) {
+    return nullptr;
+  }
+  auto timer = std::make_unique<OpTimer>();
+  timer->key = op_key(fn.name(), fn.inputs());
+  timer->start = std::chrono::steady_clock::now();
+  return timer;
+}
+
+void on_timed_op_end(const at::RecordFunction& /*fn*/, at::ObserverContext* ctx) {
+  if (tls_op_times == nullptr || ctx == nullptr) {
+    return;
+  }
+  auto* timer = static_cast<OpTimer*>(ctx);
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - timer->start;
+  (*tls_op_times)[timer->key].push_back(seconds.count());
+}
+
+} // namespace
+
+OpCostFn measured_op_cost(const std::function<void()>& run, int64_t repeats) {
+  TORCH_CHECK(static_cast<bool>(run), "measured_op_cost: the function to time is empty");
+  TORCH_CHECK(repeats >= 1, "measured_op_cost: expected repeats >= 1, but got ", repeats);
+  std::unordered_map<std::string, std::vector<double>> times;
+  tls_op_times = &times;
+  const auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(&on_timed_op_start, &on_timed_op_end)
+          .needsInputs(true)
+          .scopes({at::RecordScope::FUNCTION}));
+  try {
+    for (int64_t r = 0; r < repeats; ++r) {
+      run();
+    }
+  } catch (...) {
+    at::removeCallback(handle);
+    tls_op_times = nullptr;
+    throw;
+  }
+  at::removeCallback(handle);
+  tls_op_times = nullptr;
+  auto table = std::make_shared<std::unordered_map<std::string, double>>();
+  for (auto& [key, samples] : times) {
+    std::sort(samples.begin(), samples.end());
+    (*table)[key] = samples[samples.size() / 2];
+  }
+  // Seconds per FLOP over the matmuls seen, for ops the run never made.
+  std::vector<double> per_flop;
+  for (const auto& [key, seconds] : *table) {
+    if (key.rfind("aten::mm|", 0) == 0) {
+      std::vector<int64_t> d;
+      std::string num;
+      for (char c : key.substr(9)) {
+        if (c == ',' || c == '|') {
+          if (!num.empty()) d.push_back(std::stoll(num));
+          num.clear();
+        } else {
+          num += c;
+        }
+      }
+      if (d.size() == 4 && d[0] * d[1] * d[3] > 0) {
+        per_flop.push_back(seconds / (2.0 * static_cast<double>(d[0] * d[1] * d[3])));
+      }
+    }
+  }
+  std::sort(per_flop.begin(), per_flop.end());
+  const double seconds_per_flop = per_flop.empty() ? 1e-9 : per_flop[per_flop.size() / 2];
+  return [table, seconds_per_flop](const SelectiveOp& op) {
+    auto it = table->find(op_key(op.name, op.inputs));
+    return it != table->end() ? it->second : flop_cost(op) * seconds_per_flop;
+  };
 }
 
 SelectivePolicy save_op_calls_policy(std::vector<std::string> op_calls) {

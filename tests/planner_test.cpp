@@ -362,6 +362,26 @@ TEST(PlannerTest, DeepStackUsesSegmentsForItsSmallestPeak) {
   EXPECT_EQ(simulated.activation_bytes, plan.activation_bytes);
 }
 
+// Per-op costs may be measured times instead of FLOPs (no time is asserted).
+TEST(PlannerTest, MeasuredOpTimesDriveThePlanToo) {
+  TransformerOptions o;
+  torch::manual_seed(0);
+  trainmem::Transformer model(o);
+  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  const auto cost = trainmem::measured_op_cost([&] { model->forward(x); }, 2);
+  auto a = at::empty({1024, 128}, at::kMeta), w = at::empty({128, 384}, at::kMeta);
+  std::vector<c10::IValue> args = {a, w};
+  EXPECT_GT(cost(trainmem::SelectiveOp{"aten::mm", "default", args}), 0.0);  // the QKV matmul, timed
+  auto big = at::empty({4096, 4096}, at::kMeta);
+  std::vector<c10::IValue> unseen = {big, big};
+  EXPECT_GT(cost(trainmem::SelectiveOp{"aten::mm", "default", unseen}), 0.0);  // FLOPs x s/FLOP
+  const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(40 << 20).op_cost(cost));
+  ASSERT_TRUE(plan.feasible);
+  EXPECT_LE(plan.predicted_peak_bytes, 40 << 20);
+  EXPECT_GT(plan.recompute_cost, 0.0);
+  EXPECT_THROW(trainmem::measured_op_cost([] {}, 0), c10::Error);
+}
+
 TEST(PlannerTest, FlopCostAndOpCallPolicy) {
   auto a = at::empty({8, 16}, at::kMeta), b = at::empty({16, 32}, at::kMeta);
   std::vector<c10::IValue> args = {a, b};

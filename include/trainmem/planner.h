@@ -199,6 +199,20 @@ using OpCostFn = std::function<double(const SelectiveOp& op)>;
 /// input tensor for everything else.
 double flop_cost(const SelectiveOp& op);
 
+/// Measures each op's CPU time over `repeats` runs of `run` (which should run
+/// a forward of the model the plan is for, on CPU, at the planned shapes) and
+/// returns a cost function that looks an op up by name and input shapes (the
+/// median of its calls, in seconds). Ops never seen cost their flop_cost()
+/// at the measured run's median seconds per FLOP. Times vary from run to run:
+/// a plan chosen by them may too.
+///
+/// Example:
+/// ```
+/// auto cost = trainmem::measured_op_cost([&] { model->forward(x); }, 3);
+/// auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(b).op_cost(cost));
+/// ```
+OpCostFn measured_op_cost(const std::function<void()>& run, int64_t repeats = 3);
+
 /// How a planned block runs.
 enum class BlockMode {
   kStore,      ///< no checkpoint: everything saved

@@ -29,6 +29,7 @@ struct PlanFlags {
   bool json = false;
   bool no_selective = false;
   bool no_run = false;
+  std::string cost = "flops";
 };
 
 std::string commas(int64_t v) {
@@ -49,7 +50,7 @@ nlohmann::json plan_json(const CheckpointPlan& p) {
                       {"stored_bytes", b.stored_bytes},
                       {"backward_transient_bytes", b.backward_transient_bytes},
                       {"forward_peak_bytes", b.forward_peak_bytes},
-                      {"recompute_flops", b.recompute_cost}});
+                      {"recompute_cost", b.recompute_cost}});
   }
   return {{"name", p.name},
           {"feasible", p.feasible},
@@ -60,10 +61,10 @@ nlohmann::json plan_json(const CheckpointPlan& p) {
           {"static_bytes", p.static_bytes},
           {"grad_bytes", p.grad_bytes},
           {"activation_bytes", p.activation_bytes},
-          {"recompute_flops", p.recompute_cost},
-          {"forward_flops", p.forward_cost},
+          {"recompute_cost", p.recompute_cost},
+          {"forward_cost", p.forward_cost},
           {"min_peak_bytes", p.min_peak_bytes},
-          {"min_peak_recompute_flops", p.min_peak_cost}};
+          {"min_peak_recompute_cost", p.min_peak_cost}};
 }
 
 struct Measured {
@@ -112,11 +113,21 @@ void run(const PlanFlags& f) {
                      .num_heads(f.model.heads)
                      .batch(f.model.batch)
                      .seq_len(f.model.seq_len);
-  const auto plan = plan_checkpointing(o, PlanOptions().budget_bytes(budget).selective(!f.no_selective));
+  auto plan_options = PlanOptions().budget_bytes(budget).selective(!f.no_selective);
+  if (f.cost == "time") {
+    torch::manual_seed(0);
+    Transformer model(o);
+    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+    plan_options.op_cost(measured_op_cost([&] { model->forward(x); }, 3));
+  } else if (f.cost != "flops") {
+    throw UsageError("--cost " + f.cost + ": expected flops or time");
+  }
+  const std::string unit = f.cost == "time" ? "s" : "FLOPs";
+  const auto plan = plan_checkpointing(o, plan_options);
   const std::string unmet = fmt::format(
       "no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'), at a "
-      "recompute cost of {:.6g} FLOPs ({:.1f} % of a forward)",
-      commas(budget), commas(plan.min_peak_bytes), plan.name, plan.min_peak_cost,
+      "recompute cost of {:.6g} {} ({:.1f} % of a forward)",
+      commas(budget), commas(plan.min_peak_bytes), plan.name, plan.min_peak_cost, unit,
       plan.forward_cost > 0 ? 100.0 * plan.min_peak_cost / plan.forward_cost : 0.0);
   std::optional<Measured> measured;
   if (plan.feasible && !f.no_run) {
@@ -129,6 +140,7 @@ void run(const PlanFlags& f) {
         {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()}, {"num_heads", o.num_heads()},
                    {"batch", o.batch()}, {"seq_len", o.seq_len()}}},
         {"plan", plan_json(plan)},
+        {"cost_unit", unit},
     };
     if (measured) {
       doc["measured"] = {{"peak_bytes", measured->cpu.peak_bytes},
@@ -177,6 +189,7 @@ void add_plan_command(CLI::App& app) {
   sub->add_flag("--json", f->json, "print one JSON document instead of text");
   sub->add_flag("--no-selective", f->no_selective, "whole blocks only (store, checkpoint, segments)");
   sub->add_flag("--no-run", f->no_run, "plan only; do not run the plan");
+  sub->add_option("--cost", f->cost, "recompute cost per op: flops (from shapes) or time (measured on CPU first)");
   sub->callback([f] { run(*f); });
 }
 
