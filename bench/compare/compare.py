@@ -283,7 +283,7 @@ def main():
             doc["time"] = {"rounds": a.rounds, "threads": a.threads, "steps": a.steps, "warmup": a.warmup,
                            "table": table, "per_round_medians_ms": results}
         if a.scaling:
-            doc["scaling"] = scaling(cpp, max(1, min(a.rounds, 3)), min(a.steps, 6),
+            doc["scaling"] = scaling(cpp, max(1, min(a.rounds, 3)), min(a.steps, 8),
                                      min(a.warmup, 1), log)
     if a.planner:
         tool = os.path.join(os.path.dirname(cpp), "trainmem_plan_scaling")

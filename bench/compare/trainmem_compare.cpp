@@ -277,8 +277,13 @@ struct Runner {
 
 std::unique_ptr<Runner> make_runner(const std::string& v, const trainmem::Transformer& base) {
   const int64_t L = base->options.num_layers();
-  TORCH_CHECK(std::find(kTimeVariants.begin(), kTimeVariants.end(), v) != kTimeVariants.end(),
-              "trainmem_compare: unknown variant '", v, "'");
+  if (std::find(kTimeVariants.begin(), kTimeVariants.end(), v) == kTimeVariants.end()) {
+    std::string known;
+    for (const auto& k : kTimeVariants) {
+      known += (known.empty() ? "" : ", ") + k;
+    }
+    TORCH_CHECK(false, "unknown variant '", v, "' (expected one of ", known, ")");
+  }
   auto r = std::make_unique<Runner>(Runner{v, clone_of(base), nullptr, nullptr, nullptr,
                                            plan_of(v, L), std::nullopt, {}});
   if (v == "optimizer_in_backward") {
@@ -405,6 +410,9 @@ int main(int argc, char** argv) {
   }
   try {
     return a.time ? run_time(a) : run_check(a);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "trainmem_compare: %s\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "trainmem_compare: %s\n", e.what());
     return 1;

@@ -15,6 +15,7 @@
 #include <iostream>
 #include <string>
 
+#include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include "trainmem/allocator.h"
@@ -99,6 +100,9 @@ int main(int argc, char** argv) {
     doc["planner"] = rows;
     std::cout << doc.dump() << "\n";
     return 0;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "trainmem_plan_scaling: %s\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "trainmem_plan_scaling: %s\n", e.what());
     return 1;
