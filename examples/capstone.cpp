@@ -18,19 +18,13 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
+#include "trainmem/report.h"
 #include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 
 namespace {
 
-std::string commas(int64_t v) {
-  std::string s = std::to_string(v), out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i != 0 && (s.size() - i) % 3 == 0) out += ',';
-    out += s[i];
-  }
-  return out;
-}
+using trainmem::with_commas;
 
 int usage(const char* bad) {
   std::fprintf(stderr, "capstone: unknown argument '%s'\nusage: capstone [--json]\n", bad);
@@ -124,7 +118,8 @@ int main(int argc, char** argv) {
             {"saved_activation_bytes", r.saved.saved_bytes},
             {"saved_units_512KiB", static_cast<double>(r.saved.saved_bytes) / static_cast<double>(unit)},
             {"max_grad_diff", trainmem::max_abs_diff(runs.front().grads, r.grads)},
-            {"peak_bytes", r.peak_bytes}};
+            {"peak_bytes", r.peak_bytes},
+            {"peak_above_start_bytes", r.peak_above_start_bytes}};
       }
       doc["optimizer_in_backward"] = {{"peak_bytes", oib.peak_bytes},
                                       {"plain_peak_bytes", oib.plain_peak_bytes},
@@ -143,45 +138,45 @@ int main(int argc, char** argv) {
     std::cout << trainmem::to_string(trainmem::predict_static_bytes(*model, trainmem::Recipe::kFp32AdamW))
               << "\n\n";
     std::cout << fmt::format("saved for backward {:>16} B in {} storages ({} tensors)\n",
-                             commas(saved.saved_bytes), saved.num_storages, saved.num_tensors);
+                             with_commas(saved.saved_bytes), saved.num_storages, saved.num_tensors);
     for (const auto& n : saved.by_node) {
-      std::cout << fmt::format("  {:<48}{:>14} B {:>5} tensors\n", n.node, commas(n.bytes),
+      std::cout << fmt::format("  {:<48}{:>14} B {:>5} tensors\n", n.node, with_commas(n.bytes),
                                n.num_tensors);
     }
-    std::cout << fmt::format("  parameters seen and excluded: {} B\n\n", commas(saved.excluded_param_bytes));
-    std::cout << fmt::format("predicted 64 T B d per layer {:>14} B\n", commas(predicted));
+    std::cout << fmt::format("  parameters seen and excluded: {} B\n\n", with_commas(saved.excluded_param_bytes));
+    std::cout << fmt::format("predicted 64 T B d per layer {:>14} B\n", with_commas(predicted));
     std::cout << fmt::format("measured / predicted         {:>14.3f}\n", ratio);
     std::cout << "the difference, explained:\n";
     for (const auto& t : estimate.terms) {
-      std::cout << fmt::format("  {:<56}{:>14} B\n", t.name, commas(t.bytes));
+      std::cout << fmt::format("  {:<56}{:>14} B\n", t.name, with_commas(t.bytes));
     }
-    std::cout << fmt::format("  {:<56}{:>14} B ({})\n", "total", commas(estimate.total_bytes),
+    std::cout << fmt::format("  {:<56}{:>14} B ({})\n", "total", with_commas(estimate.total_bytes),
                              estimate.total_bytes == saved.saved_bytes ? "equals the measurement"
                                                                        : "DIFFERS from the measurement");
     std::cout << fmt::format("\ncheckpointing variants (unit: one (B, T, d) fp32 tensor, {} KiB)\n",
                              unit / 1024);
     std::cout << fmt::format("  {:<12}{:>16}{:>10}{:>16}{:>18}\n", "variant", "saved B", "units",
-                             "max grad diff", "CPU peak B");
+                             "max grad diff", "step peak B");
     for (const auto& r : runs) {
       std::cout << fmt::format("  {:<12}{:>16}{:>10.2f}{:>16.3g}{:>18}\n", r.name,
-                               commas(r.saved.saved_bytes),
+                               with_commas(r.saved.saved_bytes),
                                static_cast<double>(r.saved.saved_bytes) / static_cast<double>(unit),
                                trainmem::max_abs_diff(runs.front().grads, r.grads),
-                               commas(r.peak_bytes));
+                               with_commas(r.peak_above_start_bytes));
     }
-    std::cout << "  (CPU peak: live bytes of the step counted by the CPU allocator wrapper,\n"
-                 "   parameters and optimizer state included; allocations LibTorch does not\n"
-                 "   make through its allocator, e.g. oneDNN scratch, are not seen)\n";
+    std::cout << "  (step peak: live bytes above the step's start counted by the CPU allocator\n"
+                 "   wrapper; allocations LibTorch does not make through its allocator, e.g.\n"
+                 "   oneDNN scratch, are not seen)\n";
     std::cout << "\noptimizer step in backward (AdamW, CPU peak of one step)\n";
     std::cout << fmt::format("  {:<28}{:>16}{:>16}{:>14}\n", "shape", "plain peak B", "in-backward B",
                              "drop B");
     std::cout << fmt::format("  {:<28}{:>16}{:>16}{:>14}\n", "capstone (16, 64, 128)",
-                             commas(oib.plain_peak_bytes), commas(oib.peak_bytes),
-                             commas(oib.plain_peak_bytes - oib.peak_bytes));
+                             with_commas(oib.plain_peak_bytes), with_commas(oib.peak_bytes),
+                             with_commas(oib.plain_peak_bytes - oib.peak_bytes));
     std::cout << fmt::format("  {:<28}{:>16}{:>16}{:>14}\n", "tiny batch (1, 8, 128)",
-                             commas(oib_tiny.plain_peak_bytes), commas(oib_tiny.peak_bytes),
-                             commas(oib_tiny.plain_peak_bytes - oib_tiny.peak_bytes));
-    std::cout << fmt::format("  gradient bucket: {} B\n", commas(oib.grad_bytes));
+                             with_commas(oib_tiny.plain_peak_bytes), with_commas(oib_tiny.peak_bytes),
+                             with_commas(oib_tiny.plain_peak_bytes - oib_tiny.peak_bytes));
+    std::cout << fmt::format("  gradient bucket: {} B\n", with_commas(oib.grad_bytes));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "capstone: %s\n", e.what());

@@ -20,6 +20,8 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include "trainmem/report.h"
+
 #include "detail/storage_set.h"
 
 namespace trainmem {
@@ -228,18 +230,6 @@ std::pair<std::string, int64_t> predict_state(
             })};
   }
   return {c10::demangle(typeid(opt).name()), -1};
-}
-
-std::string with_commas(int64_t v) {
-  std::string digits = std::to_string(v < 0 ? -v : v);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i != 0 && (digits.size() - i) % 3 == 0) {
-      out += ',';
-    }
-    out += digits[i];
-  }
-  return v < 0 ? "-" + out : out;
 }
 
 StaticBuckets buckets_from(const ParamScan& scan) {

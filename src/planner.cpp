@@ -38,20 +38,9 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
+#include "trainmem/report.h"
 
 namespace trainmem {
-namespace {
-
-std::string commas(int64_t v) {
-  std::string s = std::to_string(v < 0 ? -v : v), out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i != 0 && (s.size() - i) % 3 == 0) out += ',';
-    out += s[i];
-  }
-  return v < 0 ? "-" + out : out;
-}
-
-} // namespace
 
 // ---------------------------------------------------------------------------
 // The analytic model
@@ -94,8 +83,8 @@ AnalyticActivations analytic_activation_bytes(
   if (!opt.flash_attention()) {
     r.formula += fmt::format(" + a s^2 b x {} B", e + (opt.dropout() ? 1 + e : 0));
   }
-  r.formula += fmt::format(" = {} B per layer, x {} layers = {} B", commas(r.per_layer_bytes), L,
-                           commas(r.total_bytes));
+  r.formula += fmt::format(" = {} B per layer, x {} layers = {} B", with_commas(r.per_layer_bytes), L,
+                           with_commas(r.total_bytes));
   return r;
 }
 
@@ -216,6 +205,7 @@ at::Tensor sdpa_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 } // namespace
 
 void enable_cpu_meta_kernels() {
+  register_meta_kernels();  // one call gives every meta kernel trainmem adds
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
@@ -509,20 +499,20 @@ StepPeak measure_step_peak(
 
 std::string to_string(const StepPeak& p) {
   std::ostringstream os;
-  os << fmt::format("step peak {:>16} B in the {}\n", commas(p.peak_bytes), to_string(p.phase));
-  os << fmt::format("  parameters            {:>16} B\n", commas(p.param_bytes));
-  os << fmt::format("  optimizer state       {:>16} B\n", commas(p.optimizer_state_bytes));
+  os << fmt::format("step peak {:>16} B in the {}\n", with_commas(p.peak_bytes), to_string(p.phase));
+  os << fmt::format("  parameters            {:>16} B\n", with_commas(p.param_bytes));
+  os << fmt::format("  optimizer state       {:>16} B\n", with_commas(p.optimizer_state_bytes));
   if (p.grad_bytes >= 0) {
-    os << fmt::format("  gradients at the peak {:>16} B\n", commas(p.grad_bytes));
+    os << fmt::format("  gradients at the peak {:>16} B\n", with_commas(p.grad_bytes));
   }
   os << fmt::format("  saved activations     {:>16} B (at the start of backward)\n",
-                    commas(p.activation_bytes));
+                    with_commas(p.activation_bytes));
   if (p.transient_bytes != -1) {  // -1: not decomposed (a measurement)
-    os << fmt::format("  largest transient     {:>16} B\n", commas(p.transient_bytes));
+    os << fmt::format("  largest transient     {:>16} B\n", with_commas(p.transient_bytes));
   }
   os << fmt::format("  phase peaks: forward {} B, backward {} B, optimizer step {} B\n",
-                    commas(p.forward_peak_bytes), commas(p.backward_peak_bytes),
-                    commas(p.optimizer_peak_bytes));
+                    with_commas(p.forward_peak_bytes), with_commas(p.backward_peak_bytes),
+                    with_commas(p.optimizer_peak_bytes));
   return os.str();
 }
 
@@ -1226,7 +1216,7 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
 std::string to_string(const CheckpointPlan& p) {
   std::ostringstream os;
   os << fmt::format("checkpoint plan '{}' for a budget of {} B: {}\n", p.name,
-                    p.budget_bytes > 0 ? commas(p.budget_bytes) : std::string("(none)"),
+                    p.budget_bytes > 0 ? with_commas(p.budget_bytes) : std::string("(none)"),
                     p.feasible ? "fits" : "NO PLAN FITS");
   os << fmt::format("  {:<6}{:<14}{:>16}{:>18}{:>16}  {}\n", "block", "mode", "stored B",
                     "bwd transient B", "recompute", "saved ops");
@@ -1240,18 +1230,18 @@ std::string to_string(const CheckpointPlan& p) {
         : b.region_blocks > 1 ? to_string(b.mode) + " x" + std::to_string(b.region_blocks)
                               : to_string(b.mode);
     os << fmt::format("  {:<6}{:<14}{:>16}{:>18}{:>16.4g}  {}\n", i, mode,
-                      commas(b.stored_bytes), commas(b.backward_transient_bytes), b.recompute_cost,
+                      with_commas(b.stored_bytes), with_commas(b.backward_transient_bytes), b.recompute_cost,
                       ops);
   }
-  os << fmt::format("  predicted peak     {:>16} B ({})\n", commas(p.predicted_peak_bytes),
+  os << fmt::format("  predicted peak     {:>16} B ({})\n", with_commas(p.predicted_peak_bytes),
                     to_string(p.peak_phase));
   os << fmt::format("    static (params, optimizer state, input) {} B, gradients {} B, "
                     "activations at the start of backward {} B\n",
-                    commas(p.static_bytes), commas(p.grad_bytes), commas(p.activation_bytes));
+                    with_commas(p.static_bytes), with_commas(p.grad_bytes), with_commas(p.activation_bytes));
   os << fmt::format("  recompute cost     {:>16.6g} ({:.1f} % of a forward)\n", p.recompute_cost,
                     p.forward_cost > 0 ? 100.0 * p.recompute_cost / p.forward_cost : 0.0);
   os << fmt::format("  smallest reachable peak {} B, at a recompute cost of {:.6g}\n",
-                    commas(p.min_peak_bytes), p.min_peak_cost);
+                    with_commas(p.min_peak_bytes), p.min_peak_cost);
   return os.str();
 }
 

@@ -98,8 +98,10 @@ AnalyticActivations analytic_activation_bytes(
 /// registrations (CPU flash attention forward and backward, LayerNorm forward
 /// and backward) with the CPU kernels' output layouts, and makes
 /// `scaled_dot_product_attention` on meta tensors choose the backend the CPU
-/// would, so a forward on meta saves exactly what it saves on CPU.
-/// Idempotent; the predict functions call it. Throws if the registration fails.
+/// would, so a forward on meta saves exactly what it saves on CPU. Also adds
+/// register_meta_kernels()'s (meta.h): one call gives every meta kernel
+/// trainmem adds. Idempotent; the predict functions call it. Throws if the
+/// registration fails.
 void enable_cpu_meta_kernels();
 
 /// Runs `forward` (which must build its inputs on the meta device and return
