@@ -27,7 +27,6 @@ Needs only torch (no numpy). Times are reported, never asserted.
 import argparse
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -271,6 +270,7 @@ class Runner:
         self.sac = functools.partial(create_selective_checkpoint_contexts, SAVED_OPS) \
             if variant == "selective" else None
         self.opt = None
+        self.meter = Meter(self.model) if variant == "meter" else None
         if variant == "optimizer_in_backward":
             self.oib = per_param_adamw(self.model)
         else:
@@ -280,9 +280,9 @@ class Runner:
     def step(self, x):
         if self.opt is not None:
             self.opt.zero_grad()
-        if self.name == "meter":
-            meter = Meter(self.model)
-            with meter.hooks():
+        if self.meter is not None:
+            self.meter.seen.clear()  # like SavedTensorMeter::reset(): keeps the exclusions
+            with self.meter.hooks():
                 loss = self.model(x).pow(2).mean()
         elif self.name == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=False):
