@@ -375,12 +375,7 @@ SavedTensorReport predict_saved_activations(
 }
 
 std::string to_string(StepPhase phase) {
-  switch (phase) {
-    case StepPhase::kForward: return "forward";
-    case StepPhase::kBackward: return "backward";
-    case StepPhase::kOptimizerStep: return "optimizer step";
-  }
-  return "unknown";
+  return phase_name(phase);
 }
 
 namespace {

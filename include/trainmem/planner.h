@@ -32,6 +32,7 @@
 
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
+#include "trainmem/timeline.h"
 #include "trainmem/transformer.h"
 
 namespace torch::nn {
@@ -123,7 +124,7 @@ SavedTensorReport predict_saved_activations(
     const std::function<at::Tensor()>& forward);
 
 /// The phase of a training step.
-enum class StepPhase { kForward, kBackward, kOptimizerStep };
+using StepPhase = Phase;  ///< the audit's phases (timeline.h)
 
 /// "forward", "backward", "optimizer step".
 std::string to_string(StepPhase phase);
