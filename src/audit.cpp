@@ -303,7 +303,22 @@ struct Audit::Impl {
         running_total = before;
       }
     }
+    // An input made before recording sits in the baseline (or an earlier
+    // adjustment) as unknown: move its bytes to INPUT at the step's start,
+    // once, before the step's own events so the series stays in time order.
     std::unordered_set<uint64_t> allocated;  // addresses allocated in this step
+    for (const auto& r : raw) {
+      if (r.bytes > 0) {
+        allocated.insert(r.address);
+      }
+    }
+    for (const auto& in : inputs) {
+      if (allocated.count(in.address) == 0 && live.count(in.address) == 0 &&
+          known_inputs.insert(in.address).second) {
+        push_event(MemoryEvent{step_begin_ns, -in.bytes, 0, Category::kUnknown, Phase::kForward, step_index});
+        push_event(MemoryEvent{step_begin_ns, in.bytes, 0, Category::kInput, Phase::kForward, step_index});
+      }
+    }
     for (const auto& r : raw) {
       MemoryEvent e;
       e.time_ns = r.time_ns - origin_ns;
@@ -313,7 +328,6 @@ struct Audit::Impl {
       e.step = step_index;
       running_total += r.bytes;
       if (r.bytes > 0) {
-        allocated.insert(e.address);
         if (push_event(e)) {
           live[e.address] = Alloc{timeline.events.size() - 1, false};
         }
@@ -335,15 +349,6 @@ struct Audit::Impl {
         e.category = Category::kUnknown;
       }
       push_event(e);
-    }
-    // An input made before recording sits in the baseline as unknown:
-    // move its bytes to INPUT from the step's start, once.
-    for (const auto& in : inputs) {
-      if (allocated.count(in.address) == 0 && live.count(in.address) == 0 &&
-          known_inputs.insert(in.address).second) {
-        push_event(MemoryEvent{step_begin_ns, -in.bytes, 0, Category::kUnknown, Phase::kForward, step_index});
-        push_event(MemoryEvent{step_begin_ns, in.bytes, 0, Category::kInput, Phase::kForward, step_index});
-      }
     }
     // What survives the step gets its final category now.
     std::unordered_map<uint64_t, Category> owners;

@@ -61,6 +61,14 @@ TEST(TrainerTest, AccumulationMatchesTheFullBatch) {
   EXPECT_EQ(acc.report.saved_activation_bytes, 51052544 / 4);
   EXPECT_LT(acc.report.steps[0].peak_bytes, full.report.steps[0].peak_bytes);
   EXPECT_NEAR(acc.losses[0], full.losses[0], 1e-6);
+  // The four micro-batches were made before the audit: their bytes move from
+  // unknown to INPUT at the step's start, in time order with the rest.
+  const auto& events = acc.timeline.events;
+  for (size_t i = 1; i < events.size(); ++i) {
+    ASSERT_LE(events[i - 1].time_ns, events[i].time_ns) << "event " << i;
+  }
+  const auto series = trainmem::live_bytes(acc.timeline);
+  EXPECT_EQ(series.back().bytes[static_cast<int>(trainmem::Category::kInput)], 4 * 4 * 64 * 128 * 4);
 }
 
 TEST(TrainerTest, PrecisionRungs) {
