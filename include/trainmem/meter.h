@@ -41,7 +41,9 @@ struct NodeSavedBytes {
 /// What a SavedTensorMeter counted. Plain data.
 struct SavedTensorReport {
   /// Bytes of unique non-parameter storages saved, in bytes. A storage saved
-  /// several times (q, k, v views of one qkv buffer) counts once.
+  /// several times (q, k, v views of one qkv buffer) counts once, and a saved
+  /// view counts its whole storage (what it keeps alive): a micro-batch sliced
+  /// from a larger batch counts the larger batch's bytes.
   int64_t saved_bytes = 0;
   /// Tensors autograd saved, parameters and repeats included.
   int64_t num_tensors = 0;
