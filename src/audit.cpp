@@ -75,11 +75,18 @@ struct Audit::Impl {
   int64_t running_total = 0;     // baseline + events, to detect untracked drift
   std::unordered_map<uint64_t, Alloc> live;   // address -> open allocation
   std::unordered_map<uint64_t, Category> known; // pre-existing addresses
-  std::unordered_set<uint64_t> known_inputs;    // pre-existing blocks moved to INPUT
+  // Inputs made outside any step, whose bytes were moved from unknown to
+  // INPUT; the weak reference tells when one was freed outside a step too.
+  struct MovedInput {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    int64_t bytes;
+  };
+  std::unordered_map<uint64_t, MovedInput> known_inputs;
   struct Input {
     uint64_t address;
     int64_t marked_ns;
     int64_t bytes;
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   };
   std::vector<Input> inputs;  // marked in the open step
 
@@ -293,6 +300,32 @@ struct Audit::Impl {
   }
 
   void classify_step_events(std::vector<CpuMemoryEvent> raw) {
+    // An input made outside any step sits in the baseline (or a between-
+    // steps adjustment) as unknown: move its bytes to INPUT at the step's
+    // start, once, before the step's own events so the series stays in time
+    // order; when it is freed outside a step, move them back (its free was
+    // counted as unknown). Order: inputs freed since, the between-steps
+    // adjustment, new inputs, so no category dips below zero on the way.
+    // `allocated`: addresses allocated in this step; `freed_before`: blocks
+    // made before the step and freed in it (their address's first event is a
+    // free; a later free at that address is a new block's).
+    std::unordered_set<uint64_t> allocated, freed_before;
+    for (const auto& r : raw) {
+      if (r.bytes > 0) {
+        allocated.insert(r.address);
+      } else if (allocated.count(r.address) == 0) {
+        freed_before.insert(r.address);
+      }
+    }
+    for (auto it = known_inputs.begin(); it != known_inputs.end();) {
+      if (it->second.storage.expired() && freed_before.count(it->first) == 0) {
+        push_event(MemoryEvent{step_begin_ns, -it->second.bytes, 0, Category::kInput, Phase::kForward, step_index});
+        push_event(MemoryEvent{step_begin_ns, it->second.bytes, 0, Category::kUnknown, Phase::kForward, step_index});
+        it = known_inputs.erase(it);
+      } else {
+        ++it;
+      }
+    }
     // Bytes allocated or freed between steps were not logged: one
     // adjustment event keeps the totals equal to the allocator's.
     if (!raw.empty()) {
@@ -303,18 +336,10 @@ struct Audit::Impl {
         running_total = before;
       }
     }
-    // An input made before recording sits in the baseline (or an earlier
-    // adjustment) as unknown: move its bytes to INPUT at the step's start,
-    // once, before the step's own events so the series stays in time order.
-    std::unordered_set<uint64_t> allocated;  // addresses allocated in this step
-    for (const auto& r : raw) {
-      if (r.bytes > 0) {
-        allocated.insert(r.address);
-      }
-    }
     for (const auto& in : inputs) {
       if (allocated.count(in.address) == 0 && live.count(in.address) == 0 &&
-          known_inputs.insert(in.address).second) {
+          known_inputs.count(in.address) == 0) {
+        known_inputs.emplace(in.address, MovedInput{in.storage, in.bytes});
         push_event(MemoryEvent{step_begin_ns, -in.bytes, 0, Category::kUnknown, Phase::kForward, step_index});
         push_event(MemoryEvent{step_begin_ns, in.bytes, 0, Category::kInput, Phase::kForward, step_index});
       }
@@ -507,7 +532,8 @@ void Audit::mark_input(const at::Tensor& tensor) {
   TORCH_CHECK(impl_->open, "Audit::mark_input: call it inside a step (after begin_step())");
   const auto address = storage_address(tensor);
   if (address != 0 && tensor.is_cpu()) {
-    impl_->inputs.push_back({address, impl_->now_ns(), static_cast<int64_t>(tensor.storage().nbytes())});
+    impl_->inputs.push_back({address, impl_->now_ns(), static_cast<int64_t>(tensor.storage().nbytes()),
+                             tensor.storage().getWeakStorageImpl()});
   }
 }
 

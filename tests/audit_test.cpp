@@ -122,6 +122,31 @@ TEST(AuditTest, SecondStepFreesLastStepsGradientsAsGradients) {
   EXPECT_EQ(audit.report().phases.size(), 6u);
 }
 
+// The PyTorch examples' loop makes each batch before the step and frees it
+// after: INPUT holds one batch at a time and no category goes negative.
+TEST(AuditTest, BatchesMadeOutsideTheStepAreInputs) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  trainmem::Audit audit(*mlp, &opt);
+  for (int i = 0; i < 3; ++i) {
+    auto x = torch::randn({16, 32});
+    auto step = audit.step();
+    audit.mark_input(x);
+    opt.zero_grad();
+    mlp->forward(x).pow(2).sum().backward();
+    opt.step();
+  }
+  const auto all = trainmem::live_bytes(audit.timeline());
+  for (const auto& p : all) {
+    for (auto b : p.bytes) {
+      ASSERT_GE(b, 0) << "a category went negative at " << p.time_ns;
+    }
+    ASSERT_LE(at_cat(p, Category::kInput), 16 * 32 * 4);
+  }
+  EXPECT_EQ(at_cat(all.back(), Category::kInput), 16 * 32 * 4);
+}
+
 TEST(AuditTest, AccumulationAlternatesForwardAndBackward) {
   trainmem::CpuMemoryTracker::install();
   auto mlp = seed_mlp();
