@@ -142,14 +142,6 @@ struct Audit::Impl {
                std::chrono::steady_clock::now().time_since_epoch()).count() - origin_ns;
   }
 
-  // The live bytes counter the peaks are read from.
-  int64_t live_bytes_now() const {
-    if (tracker != nullptr) {
-      return tracker->stats().allocated_bytes;
-    }
-    return device_memory_stats(device).allocated_bytes;
-  }
-
   void open_window() {
     if (tracker != nullptr) {
       window = std::make_unique<PeakWindow>(*tracker);
@@ -411,8 +403,7 @@ Audit::Audit(
   if (device.is_cpu()) {
     impl_->tracker = &CpuMemoryTracker::install();
   }
-  (void)device_memory_stats(device); // fails early, naming the device
-  impl_->timeline.device = device_memory_stats(device).device;
+  impl_->timeline.device = device_memory_stats(device).device;  // fails early, naming the device
   if (impl_->options.meter()) {
     impl_->meter = std::make_unique<SavedTensorMeter>(model);
   }
