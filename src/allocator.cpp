@@ -57,9 +57,11 @@ void log_event(Counters& c, int64_t bytes, int64_t now, const void* ptr) {
     return;
   }
   try {
+    // The time is read under the lock, so the log is in time order even when
+    // several threads allocate at once (timelines rely on it).
+    std::lock_guard<std::mutex> lock(c.events_mutex);
     const auto t = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::steady_clock::now() - c.t0).count();
-    std::lock_guard<std::mutex> lock(c.events_mutex);
     c.events.push_back({t, bytes, now, reinterpret_cast<uint64_t>(ptr)});
   } catch (...) {
     // losing an event is acceptable; failing an allocation is not
