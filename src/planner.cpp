@@ -889,6 +889,14 @@ struct DpState {
   int64_t region = 1; // blocks the last choice covers
 };
 
+// Raises a state's peak to `bytes`, and its phase to `at`, when `bytes` is higher.
+void raise_peak(DpState& state, int64_t bytes, StepPhase at) {
+  if (bytes > state.peak) {
+    state.peak = bytes;
+    state.phase = at;
+  }
+}
+
 std::string plan_name(const std::vector<BlockChoice>& blocks) {
   const auto L = static_cast<int64_t>(blocks.size());
   bool any_sel = false, all_store = true, all_ckpt = true;
@@ -1118,14 +1126,8 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
           n.cost = st.cost + ch.recompute_cost;
           n.peak = st.peak;
           n.phase = st.phase;
-          if (fwd > n.peak) {
-            n.peak = fwd;
-            n.phase = StepPhase::kForward;
-          }
-          if (bwd > n.peak) {
-            n.peak = bwd;
-            n.phase = StepPhase::kBackward;
-          }
+          raise_peak(n, fwd, StepPhase::kForward);
+          raise_peak(n, bwd, StepPhase::kBackward);
           n.parent = s;
           n.option = opt;
           n.region = k;
@@ -1141,18 +1143,9 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
     const int64_t head_fwd = Z + f.stored + head.forward_peak_bytes;
     const int64_t head_bwd = Z + f.stored + head.stored_bytes + head.backward_transient_bytes;
     const int64_t opt = Z + grads + adamw_transient;
-    if (head_fwd > f.peak) {
-      f.peak = head_fwd;
-      f.phase = StepPhase::kForward;
-    }
-    if (head_bwd > f.peak) {
-      f.peak = head_bwd;
-      f.phase = StepPhase::kBackward;
-    }
-    if (opt > f.peak) {
-      f.peak = opt;
-      f.phase = StepPhase::kOptimizerStep;
-    }
+    raise_peak(f, head_fwd, StepPhase::kForward);
+    raise_peak(f, head_bwd, StepPhase::kBackward);
+    raise_peak(f, opt, StepPhase::kOptimizerStep);
   }
   auto by_cost = [](const DpState& a, const DpState& b) {
     return std::tie(a.cost, a.peak) < std::tie(b.cost, b.peak);
