@@ -19,7 +19,6 @@
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
 #include "trainmem/report.h"
-#include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 
 namespace {
@@ -68,10 +67,7 @@ int main(int argc, char** argv) {
     const int64_t L = o.num_layers();
     const int64_t unit = 4 * o.batch() * o.seq_len() * o.d_model();
     std::vector<trainmem::VariantRun> runs;
-    for (const auto& plan :
-         {trainmem::BlockCheckpointing::none(L), trainmem::BlockCheckpointing::full(L),
-          trainmem::BlockCheckpointing::every(L, 2),
-          trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy())}) {
+    for (const auto& plan : trainmem::BlockCheckpointing::seed_variants(L)) {
       runs.push_back(trainmem::run_variant(model, x, plan));
     }
     // Optimizer step in backward: at the capstone's shape (activations

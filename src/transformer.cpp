@@ -173,6 +173,10 @@ BlockCheckpointing BlockCheckpointing::sqrt(int64_t n) {
   return p;
 }
 
+std::vector<BlockCheckpointing> BlockCheckpointing::seed_variants(int64_t n) {
+  return {none(n), full(n), every(n, 2), selective(n, save_matmuls_policy())};
+}
+
 const CheckpointOptions& BlockCheckpointing::options_for(int64_t i) const {
   TORCH_CHECK(block_options.empty() || block_options.size() == blocks.size(),
               "BlockCheckpointing: block_options has ", block_options.size(),

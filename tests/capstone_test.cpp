@@ -131,10 +131,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
   const int64_t L = o.num_layers();
   std::vector<trainmem::VariantRun> runs;
-  for (const auto& plan :
-       {trainmem::BlockCheckpointing::none(L), trainmem::BlockCheckpointing::full(L),
-        trainmem::BlockCheckpointing::every(L, 2),
-        trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy())}) {
+  for (const auto& plan : trainmem::BlockCheckpointing::seed_variants(L)) {
     runs.push_back(trainmem::run_variant(model, x, plan));
   }
   const auto& none = runs[0];

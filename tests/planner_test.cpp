@@ -24,11 +24,6 @@ namespace {
 using trainmem::BlockCheckpointing;
 using trainmem::TransformerOptions;
 
-std::vector<BlockCheckpointing> four_variants(int64_t L) {
-  return {BlockCheckpointing::none(L), BlockCheckpointing::full(L), BlockCheckpointing::every(L, 2),
-          BlockCheckpointing::selective(L, trainmem::save_matmuls_policy())};
-}
-
 TEST(PlannerTest, AnalyticModelGivesTheSeedsAndKorthikantisFigures) {
   TransformerOptions o;  // the capstone
   const auto seed = trainmem::analytic_activation_bytes(o);
@@ -64,7 +59,7 @@ TEST(PlannerTest, MetaForwardSavesExactlyWhatTheCpuSaves) {
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   const std::vector<int64_t> expected = {51052544, 3670016, 27361280, 31981568};
-  const auto plans = four_variants(L);
+  const auto plans = BlockCheckpointing::seed_variants(L);
   for (size_t i = 0; i < plans.size(); ++i) {
     const auto measured = trainmem::run_variant(cpu, x, plans[i]).saved;
     const auto predicted = trainmem::predict_saved_activations(*meta, [&] {
@@ -157,7 +152,7 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
-  for (const auto& plan : four_variants(L)) {
+  for (const auto& plan : BlockCheckpointing::seed_variants(L)) {
     const auto measured = trainmem::measure_step_peak(*cpu, [&] {
       return cpu->forward(torch::randn({o.batch(), o.seq_len(), o.d_model()}), plan).pow(2).mean();
     }, &cpu_opt);

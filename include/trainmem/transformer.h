@@ -84,6 +84,9 @@ struct BlockCheckpointing {
   static BlockCheckpointing segments(int64_t num_layers, int64_t num_segments);
   /// segments(L, sqrt_segments(L)): Chen et al.'s sqrt(L) rule.
   static BlockCheckpointing sqrt(int64_t num_layers);
+  /// The seed's four variants, in its order: none, full, every_2 and
+  /// selective (save matmuls).
+  static std::vector<BlockCheckpointing> seed_variants(int64_t num_layers);
 };
 
 /// One pre-LN block. forward: (B, T, d) -> (B, T, d).
