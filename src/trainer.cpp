@@ -2,7 +2,6 @@
 
 #include <memory>
 #include <optional>
-#include <regex>
 
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
@@ -24,26 +23,6 @@
 
 namespace trainmem {
 namespace {
-
-// "every_2" -> 2; 0 when `name` is not of that form.
-int64_t every_k(const std::string& name) {
-  static const std::regex re("every_([1-9][0-9]*)");
-  std::smatch m;
-  return std::regex_match(name, m, re) ? std::stoll(m[1].str()) : 0;
-}
-
-BlockCheckpointing plan_for(const std::string& name, int64_t layers) {
-  if (name == "none") {
-    return BlockCheckpointing::none(layers);
-  }
-  if (name == "full") {
-    return BlockCheckpointing::full(layers);
-  }
-  if (name == "selective") {
-    return BlockCheckpointing::selective(layers, save_matmuls_policy());
-  }
-  return BlockCheckpointing::every(layers, every_k(name));
-}
 
 using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
 
@@ -90,9 +69,7 @@ void check_trainer_options(const TrainerOptions& o) {
               "expected optimizer adamw, adam or sgd, but got \"", o.optimizer(), "\"");
   TORCH_CHECK(o.lr() > 0, "expected lr > 0, but got ", o.lr());
   TORCH_CHECK(o.steps() >= 1, "expected steps >= 1, but got ", o.steps());
-  const auto& c = o.checkpoint();
-  TORCH_CHECK(c == "none" || c == "full" || c == "selective" || every_k(c) > 0,
-              "expected checkpoint none, full, every_<k> (k >= 1) or selective, but got \"", c, "\"");
+  (void)BlockCheckpointing::named(m.num_layers(), o.checkpoint());  // throws naming a bad name
   TORCH_CHECK(o.accumulation() >= 1, "expected accumulation >= 1, but got ", o.accumulation());
   TORCH_CHECK(m.batch() % o.accumulation() == 0, "expected batch ", m.batch(),
               " to split into accumulation ", o.accumulation(), " equal micro-batches");
@@ -125,7 +102,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
   torch::manual_seed(o.seed());
   Transformer model(mo);
   model->to(device, dtype);
-  const auto plan = plan_for(o.checkpoint(), mo.num_layers());
+  const auto plan = BlockCheckpointing::named(mo.num_layers(), o.checkpoint());
   // The data: one fixed batch (B, T, d).
   torch::manual_seed(o.seed() + 1);
   const auto x = torch::randn({mo.batch(), mo.seq_len(), mo.d_model()}).to(device, dtype);

@@ -1,5 +1,6 @@
 #include "trainmem/transformer.h"
 
+#include <algorithm>
 #include <optional>
 
 #include <ATen/TensorOperators.h>
@@ -171,6 +172,24 @@ BlockCheckpointing BlockCheckpointing::sqrt(int64_t n) {
   auto p = segments(n, sqrt_segments(n));
   p.name = "sqrt";
   return p;
+}
+
+BlockCheckpointing BlockCheckpointing::named(int64_t n, const std::string& name) {
+  if (name == "none") {
+    return none(n);
+  }
+  if (name == "full") {
+    return full(n);
+  }
+  if (name == "selective") {
+    return selective(n, save_matmuls_policy());
+  }
+  const std::string prefix = "every_";
+  const auto digits = name.substr(std::min(prefix.size(), name.size()));
+  const bool every_k = name.rfind(prefix, 0) == 0 && !digits.empty() && digits.size() <= 9 &&
+      digits[0] != '0' && std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+  TORCH_CHECK(every_k, "expected checkpoint none, full, every_<k> (k >= 1) or selective, but got \"", name, "\"");
+  return every(n, std::stoll(digits));
 }
 
 std::vector<BlockCheckpointing> BlockCheckpointing::seed_variants(int64_t n) {

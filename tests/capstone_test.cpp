@@ -164,3 +164,25 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
 }
 
 } // namespace
+
+namespace {
+
+TEST(CapstoneTest, VariantsAreFoundByTheirNames) {
+  for (const auto& v : trainmem::BlockCheckpointing::seed_variants(6)) {
+    const auto n = trainmem::BlockCheckpointing::named(6, v.name);
+    EXPECT_EQ(n.name, v.name);
+    EXPECT_EQ(n.blocks, v.blocks) << v.name;
+  }
+  EXPECT_EQ(trainmem::BlockCheckpointing::named(6, "every_3").blocks,
+            (std::vector<bool>{true, false, false, true, false, false}));
+  for (const char* bad : {"every_", "every_0", "every_-1", "every_2x", "sqrt", ""}) {
+    try {
+      trainmem::BlockCheckpointing::named(6, bad);
+      ADD_FAILURE() << "expected an error for \"" << bad << "\"";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("but got \"") + bad + "\""), std::string::npos) << e.what();
+    }
+  }
+}
+
+} // namespace

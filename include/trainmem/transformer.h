@@ -84,6 +84,10 @@ struct BlockCheckpointing {
   static BlockCheckpointing segments(int64_t num_layers, int64_t num_segments);
   /// segments(L, sqrt_segments(L)): Chen et al.'s sqrt(L) rule.
   static BlockCheckpointing sqrt(int64_t num_layers);
+  /// The variant a name gives: "none", "full", "every_<k>" (k >= 1) or
+  /// "selective" (save matmuls), the names the other constructors set.
+  /// Throws c10::Error naming `name` otherwise.
+  static BlockCheckpointing named(int64_t num_layers, const std::string& name);
   /// The seed's four variants, in its order: none, full, every_2 and
   /// selective (save matmuls).
   static std::vector<BlockCheckpointing> seed_variants(int64_t num_layers);
