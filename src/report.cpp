@@ -15,7 +15,7 @@ using Json = nlohmann::ordered_json;
 constexpr std::array<Category, kNumCategories> kCategories = {
     Category::kParameter, Category::kGradient,  Category::kOptimizerState,
     Category::kActivation, Category::kTemporary, Category::kInput,
-    Category::kUnknown};
+    Category::kUnknown, Category::kBeforeAudit};
 
 Category category_from_name(const std::string& name) {
   for (auto c : kCategories) {
@@ -95,6 +95,28 @@ int64_t AuditReport::static_bytes() const {
 
 // ---- text -------------------------------------------------------------------
 
+StepSummary summarize_steps(const std::vector<StepRecord>& steps) {
+  TORCH_CHECK(!steps.empty(), "summarize_steps: no steps to summarize");
+  auto stat = [&](auto get) {
+    std::vector<int64_t> v;
+    v.reserve(steps.size());
+    for (const auto& s : steps) {
+      v.push_back(get(s));
+    }
+    std::sort(v.begin(), v.end());
+    return StepStat{v.front(), v[(v.size() - 1) / 2], v.back()};
+  };
+  StepSummary sum;
+  sum.num_steps = static_cast<int64_t>(steps.size());
+  sum.peak_bytes = stat([](const StepRecord& s) { return s.peak_bytes; });
+  sum.forward_peak_bytes = stat([](const StepRecord& s) { return s.forward_peak_bytes; });
+  sum.backward_peak_bytes = stat([](const StepRecord& s) { return s.backward_peak_bytes; });
+  sum.optimizer_peak_bytes = stat([](const StepRecord& s) { return s.optimizer_peak_bytes; });
+  sum.saved_activation_bytes = stat([](const StepRecord& s) { return s.saved_activation_bytes; });
+  sum.time_us = stat([](const StepRecord& s) { return static_cast<int64_t>(std::llround(s.time_ms * 1000.0)); });
+  return sum;
+}
+
 std::string to_text(const AuditReport& r) {
   std::string out = fmt::format("trainmem audit: {} on {}\n", r.title, r.device);
   if (!r.config.empty()) {
@@ -124,12 +146,31 @@ std::string to_text(const AuditReport& r) {
     out += fmt::format("  {:<46} {:>16} B  {:>8}\n", n.node, with_commas(n.bytes),
                        pct(n.bytes, r.saved_activation_bytes));
   }
+  if (r.saved_activation_bytes > 0) {
+    out += fmt::format("  where: {} B on the device, {} B offloaded to the host\n",
+                       with_commas(r.saved_device_bytes), with_commas(r.saved_host_bytes));
+  }
   if (!r.steps.empty()) {
     out += "\nsteps          time ms      peak B               forward peak B      backward peak B     optimizer peak B\n";
-    for (const auto& s : r.steps) {
+    const bool summarize = static_cast<int64_t>(r.steps.size()) > kMaxStepRows;
+    const size_t rows = summarize ? 3 : r.steps.size();
+    for (size_t i = 0; i < rows; ++i) {
+      const auto& s = r.steps[i];
       out += fmt::format("  {:<8} {:>10.1f}   {:>18}   {:>18}   {:>18}   {:>18}\n", s.step, s.time_ms,
                          with_commas(s.peak_bytes), with_commas(s.forward_peak_bytes),
                          with_commas(s.backward_peak_bytes), with_commas(s.optimizer_peak_bytes));
+    }
+    if (summarize) {
+      const auto sum = summarize_steps(r.steps);
+      out += fmt::format("  ... {} steps in all:\n", sum.num_steps);
+      const std::pair<const char*, int64_t StepStat::*> rows3[] = {
+          {"min", &StepStat::min}, {"median", &StepStat::median}, {"max", &StepStat::max}};
+      for (const auto& [label, field] : rows3) {
+        out += fmt::format("  {:<8} {:>10.1f}   {:>18}   {:>18}   {:>18}   {:>18}\n", label,
+                           static_cast<double>(sum.time_us.*field) / 1000.0, with_commas(sum.peak_bytes.*field),
+                           with_commas(sum.forward_peak_bytes.*field), with_commas(sum.backward_peak_bytes.*field),
+                           with_commas(sum.optimizer_peak_bytes.*field));
+      }
     }
     out += fmt::format("peak over steps      {:>16} B  {:>10}\n", with_commas(r.peak_bytes), human_bytes(r.peak_bytes));
   }
@@ -184,6 +225,8 @@ std::string to_json(const AuditReport& r, int indent) {
   j["buckets"] = buckets;
   j["static_bytes"] = r.static_bytes();
   j["saved_activation_bytes"] = r.saved_activation_bytes;
+  j["saved_device_bytes"] = r.saved_device_bytes;
+  j["saved_host_bytes"] = r.saved_host_bytes;
   Json nodes = Json::array();
   for (const auto& n : r.saved_by_node) {
     nodes.push_back({{"node", n.node}, {"bytes", n.bytes}, {"num_tensors", n.num_tensors}});
@@ -225,6 +268,7 @@ std::string to_json(const AuditReport& r, int indent) {
   Json phases = Json::array();
   for (const auto& p : r.phases) {
     phases.push_back({{"phase", phase_name(p.phase)},
+                      {"name", p.name},
                       {"step", p.step},
                       {"begin_ns", p.begin_ns},
                       {"end_ns", p.end_ns},
@@ -274,6 +318,8 @@ AuditReport report_from_json(const std::string& text) {
                            b.at("bytes").get<int64_t>()});
     }
     r.saved_activation_bytes = j.at("saved_activation_bytes").get<int64_t>();
+    r.saved_device_bytes = j.value("saved_device_bytes", r.saved_activation_bytes);
+    r.saved_host_bytes = j.value("saved_host_bytes", int64_t{0});
     for (const auto& n : j.at("saved_by_node")) {
       r.saved_by_node.push_back({n.at("node").get<std::string>(), n.at("bytes").get<int64_t>(),
                                  n.at("num_tensors").get<int64_t>()});
@@ -316,6 +362,9 @@ AuditReport report_from_json(const std::string& text) {
     for (const auto& p : j.at("phases")) {
       PhaseSpan span;
       span.phase = phase_from_name(p.at("phase").get<std::string>());
+      if (p.contains("name")) {
+        span.name = p.at("name").get<std::string>();
+      }
       span.step = p.at("step").get<int64_t>();
       span.begin_ns = p.at("begin_ns").get<int64_t>();
       span.end_ns = p.at("end_ns").get<int64_t>();
@@ -361,7 +410,7 @@ std::string to_chrome_trace(const AuditReport& r) {
                       {"ts", static_cast<double>(p.time_ns) / 1000.0}, {"args", args}});
   }
   for (const auto& p : r.phases) {
-    events.push_back({{"name", fmt::format("step {} {}", p.step, phase_name(p.phase))},
+    events.push_back({{"name", fmt::format("step {} {}", p.step, span_label(p))},
                       {"cat", phase_name(p.phase)},
                       {"ph", "X"},
                       {"pid", 1},

@@ -130,9 +130,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
 
   Audit audit(*model, optimizer.get(), device, AuditOptions().title("reference transformer").timeline(o.timeline()));
   if (in_backward) {
-    for (const auto& p : model->parameters()) {
-      audit.add_optimizer(in_backward->optimizer_for(p));
-    }
+    audit.add_optimizer(*in_backward);
   }
   audit.set_config("layers", std::to_string(mo.num_layers()));
   audit.set_config("d_model", std::to_string(mo.d_model()));
@@ -209,7 +207,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
     }
   }
   run.report = audit.report();
-  run.timeline = audit.timeline();
+  run.timeline = audit.take_timeline();  // one copy of a long run's events, not two
   return run;
 }
 
