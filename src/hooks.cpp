@@ -309,6 +309,12 @@ void pop_frame(uint64_t id, uint64_t owner_thread, const char* guard) noexcept {
       return f.id == id;
     });
     if (it != frames.end()) {
+      if (it->observer) {
+        // An observer packs nothing: ending it under an inner hooks guard (an
+        // audit's meter at a backward, inside a user's SaveOnCpuGuard) is fine.
+        frames.erase(it);
+        return;
+      }
       TORCH_WARN(
           guard,
           " destroyed out of order (an inner guard is still alive); removing "

@@ -429,8 +429,10 @@ SavedTensorMeterGuard::SavedTensorMeterGuard(SavedTensorMeter& meter)
       "SavedTensorMeterGuard: this meter already has an active scope; use one "
       "guard per meter at a time");
   try {
-    impl_->state->closed.store(false);
+    // Drop the states of guards that ended elsewhere (this meter's too, if
+    // its last guard ended on another thread) before reopening this one.
     detail::prune_meters();
+    impl_->state->closed.store(false);
     impl_->observer.emplace(std::make_shared<detail::MeterObserver>(impl_->state));
     if (!detail::tls_callback) {
       detail::tls_callback = at::addThreadLocalCallback(

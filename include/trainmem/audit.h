@@ -97,14 +97,14 @@ class Audit {
   /// Audits a module holder (`Net model;` where `Net` is TORCH_MODULE(...)).
   template <typename Holder>
     requires requires(const Holder& h) {
-      { *h.ptr() } -> std::derived_from<torch::nn::Module>;
+      { h.ptr().get() } -> std::convertible_to<const torch::nn::Module*>;
     }
   explicit Audit(
       const Holder& model,
       const torch::optim::Optimizer* optimizer = nullptr,
       c10::Device device = c10::Device(c10::kCPU),
       AuditOptions options = {})
-      : Audit(static_cast<const torch::nn::Module&>(*model.ptr()), optimizer, device, std::move(options)) {}
+      : Audit(static_cast<const torch::nn::Module&>(*model.ptr().get()), optimizer, device, std::move(options)) {}
   /// Audits a TorchScript module (torch::jit::load()): its parameters are
   /// PARAMETER, never saved activations.
   explicit Audit(
@@ -134,10 +134,10 @@ class Audit {
   /// Audits a module holder too.
   template <typename Holder>
     requires requires(const Holder& h) {
-      { *h.ptr() } -> std::derived_from<torch::nn::Module>;
+      { h.ptr().get() } -> std::convertible_to<const torch::nn::Module*>;
     }
   void add_module(const Holder& module) {
-    add_module(static_cast<const torch::nn::Module&>(*module.ptr()));
+    add_module(static_cast<const torch::nn::Module&>(*module.ptr().get()));
   }
   /// Audits a TorchScript module too.
   void add_module(const torch::jit::Module& module);
