@@ -87,7 +87,7 @@ class HooksAdapter final : public torch::autograd::SavedVariableHooks {
 // region's inputs are, through their own SavedVariables).
 struct Plain {
   at::Tensor tensor;
-  uint32_t version;
+  int64_t version;
 };
 
 class ObservedAdapter final : public torch::autograd::SavedVariableHooks {
@@ -332,7 +332,7 @@ SavedTensorHooksGuard::SavedTensorHooksGuard(
     std::shared_ptr<SavedTensorHooks> hooks)
     : id_(0), thread_(detail::this_thread_id()) {
   TORCH_CHECK(hooks != nullptr, "SavedTensorHooksGuard: hooks must not be null");
-  id_ = push_frame(Frame{0, std::move(hooks), {}});
+  id_ = push_frame(Frame{0, std::move(hooks), {}, nullptr});
 }
 
 SavedTensorHooksGuard::SavedTensorHooksGuard(PackHook pack, UnpackHook unpack)
@@ -342,7 +342,7 @@ SavedTensorHooksGuard::SavedTensorHooksGuard(PackHook pack, UnpackHook unpack)
   TORCH_CHECK(
       static_cast<bool>(unpack), "SavedTensorHooksGuard: unpack hook is empty");
   id_ = push_frame(Frame{
-      0, std::make_shared<LambdaHooks>(std::move(pack), std::move(unpack)), {}});
+      0, std::make_shared<LambdaHooks>(std::move(pack), std::move(unpack)), {}, nullptr});
 }
 
 SavedTensorHooksGuard::~SavedTensorHooksGuard() {
@@ -352,7 +352,7 @@ SavedTensorHooksGuard::~SavedTensorHooksGuard() {
 DisableSavedTensorHooksGuard::DisableSavedTensorHooksGuard(
     std::string error_message)
     : id_(0), thread_(detail::this_thread_id()) {
-  id_ = push_frame(Frame{0, nullptr, std::move(error_message)});
+  id_ = push_frame(Frame{0, nullptr, std::move(error_message), nullptr});
 }
 
 DisableSavedTensorHooksGuard::~DisableSavedTensorHooksGuard() {

@@ -27,9 +27,9 @@ trainmem::AuditReport sample_report() {
   r.device_stats.allocated_bytes = 16000;
   r.device_stats.peak_allocated_bytes = 90000;
   r.fragmentation.hints = {"a hint"};
-  r.phases = {{Phase::kForward, 0, 0, 1000, 80000, {4000, 0, 0, 30000, 46000, 0, 0}},
-              {Phase::kBackward, 0, 1000, 3000, 90000, {4000, 4000, 0, 30000, 52000, 0, 0}},
-              {Phase::kOptimizerStep, 0, 3000, 4000, 70000, {}}};
+  r.phases = {{Phase::kForward, "", 0, 0, 1000, 80000, {4000, 0, 0, 30000, 46000, 0, 0}},
+              {Phase::kBackward, "", 0, 1000, 3000, 90000, {4000, 4000, 0, 30000, 52000, 0, 0}},
+              {Phase::kOptimizerStep, "", 0, 3000, 4000, 70000, {}}};
   for (int i = 0; i < 5; ++i) {
     trainmem::TimelinePoint p;
     p.time_ns = i * 1000;
