@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -156,8 +157,17 @@ struct MeterState {
     const auto* fn = t.grad_fn().get();
     std::string name = fn != nullptr ? fn->name() : std::string();
     const bool graph = name.find("DifferentiableGraph") != std::string::npos;
-    if (group_open.load() && group.node != nullptr && (!graph || fn != group.node)) {
+    // A save without a graph node (a graph's integer output, max_pool's
+    // indices) stays in the open group; another graph's node starts a new one.
+    if (group_open.load() && group.node != nullptr && graph && fn != group.node) {
       close_group_locked();
+    }
+    if (!group_open.load()) {
+      // The graph's ops may have run before its first save (a graph that
+      // keeps only outputs): they are the ops seen since the last one that
+      // built graph.
+      group.ops = std::move(recent_ops);
+      recent_ops.clear();
     }
     group_open.store(true);
     if (graph && group.node == nullptr) {
@@ -188,13 +198,23 @@ struct MeterState {
 
   // A top-level op ended while a group is open: one that builds graph ends
   // the group; another is one of the graph's own ops.
+  // Ops run with grad that built no graph since the last one that did (a
+  // differentiable graph's own ops, before any save opened a group).
+  std::vector<std::string> recent_ops;
+
   void group_op_ended(const std::string& op, bool builds_graph) {
     std::lock_guard<std::mutex> lock(mutex);
     if (builds_graph) {
       close_group_locked();
-    } else if (group_open.load() && group.ops.size() < 6 &&
-               std::find(group.ops.begin(), group.ops.end(), op) == group.ops.end()) {
-      group.ops.push_back(op);
+      recent_ops.clear();
+      return;
+    }
+    if (op == "aten::detach" || op == "aten::detach_") {
+      return;  // the executor detaching a graph's inputs: bookkeeping, not what it runs
+    }
+    auto& ops = group_open.load() ? group.ops : recent_ops;
+    if (ops.size() < 6 && std::find(ops.begin(), ops.end(), op) == ops.end()) {
+      ops.push_back(op);
     }
   }
 
@@ -270,7 +290,7 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
   try {
     if (depth == 1) {
       for (const auto& meter : tls_meters) {
-        if (meter->group_open.load(std::memory_order_relaxed) && !meter->closed.load()) {
+        if (!meter->closed.load() && c10::GradMode::is_enabled()) {
           meter->group_op_ended(fn.name(), builds_graph(fn));
         }
       }
@@ -392,6 +412,7 @@ void SavedTensorMeter::reset() {
   state_->pending_depth.store(-1);
   state_->group = detail::MeterState::Group();
   state_->group_open.store(false);
+  state_->recent_ops.clear();
 }
 
 bool SavedTensorMeter::active() const {

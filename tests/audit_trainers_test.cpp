@@ -385,6 +385,22 @@ TEST(AuditTrainersTest, ScriptedTrunkAndCppHeadMatchPythonEveryStep) {
   for (const auto& n : r.saved_by_node) {
     EXPECT_EQ(n.node.find("CppFunction"), std::string::npos) << "a TorchScript node is unnamed:\n" << nodes;
   }
+  // The trunk's two differentiable graphs (torch.jit.last_executed_optimized_graph()
+  // in Python shows them), named by their ops, with what each keeps: relu's
+  // output [32,16,30,30] f32 and max_pool's indices [32,16,15,15] i64; the
+  // flattened features [32,3600] f32 and relu's output [32,64] f32.
+  auto bytes_of = [&](const std::string& node) {
+    for (const auto& n : r.saved_by_node) {
+      if (n.node == node) {
+        return n.bytes;
+      }
+    }
+    return int64_t{-1};
+  };
+  EXPECT_EQ(bytes_of("DifferentiableGraphBackward(aten::relu, aten::max_pool2d_with_indices)"),
+            32 * 16 * 30 * 30 * 4 + 32 * 16 * 15 * 15 * 8)
+      << nodes;
+  EXPECT_EQ(bytes_of("DifferentiableGraphBackward(aten::linear, aten::relu)"), 32 * 3600 * 4 + 32 * 64 * 4) << nodes;
 }
 
 TEST(AuditTrainersTest, MeterCountsThroughOffloadAndUserHooks) {
