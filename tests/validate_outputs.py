@@ -10,7 +10,7 @@ import pickle
 import subprocess
 import sys
 
-CATEGORIES = ["PARAMETER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "unknown"]
+CATEGORIES = ["PARAMETER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "unknown", "before the audit"]
 
 
 def fail(msg):
