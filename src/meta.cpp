@@ -491,27 +491,48 @@ void register_meta_kernels() {
   register_missing_meta_kernels();
 }
 
+namespace {
+
+// The op a "no meta kernel" error names, or "" if it is not one. LibTorch
+// words it three ways: the dispatcher's "Could not run 'aten::x.overload'
+// with arguments from the 'Meta' backend", the fake-impl check's "aten::x:
+// attempted to run this operator with Meta tensors, but there was no fake
+// impl or Meta kernel registered", and a composite kernel's
+// "x_overrideable not implemented" (convolution before ours).
+std::string op_without_meta_kernel(const std::string& m) {
+  const std::string quoted = "Could not run '";
+  if (auto at = m.find(quoted); at != std::string::npos && m.find("'Meta' backend") != std::string::npos) {
+    const auto start = at + quoted.size();
+    const auto end = m.find('\'', start);
+    if (end != std::string::npos) {
+      return m.substr(start, end - start);
+    }
+  }
+  if (auto at = m.find(": attempted to run this operator with Meta tensors"); at != std::string::npos) {
+    auto start = m.find_last_of(" \n", at);
+    start = start == std::string::npos ? 0 : start + 1;
+    return m.substr(start, at - start);
+  }
+  if (auto over = m.find("_overrideable not implemented"); over != std::string::npos) {
+    auto start = m.find_last_of(" \n", over);
+    start = start == std::string::npos ? 0 : start + 1;
+    return "aten::" + m.substr(start, over - start);
+  }
+  return "";
+}
+
+} // namespace
+
 std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<void()>& run) {
   TORCH_CHECK(static_cast<bool>(run), "find_missing_meta_kernel: the function is empty");
   register_missing_meta_kernels();
   try {
     run();
-  } catch (const c10::NotImplementedError& e) {
-    // The dispatcher's text: "Could not run 'aten::x.overload' with arguments
-    // from the 'Meta' backend"; a composite's: "x_overrideable not implemented".
+  } catch (const c10::Error& e) {
     MissingMetaKernel missing{"", e.what_without_backtrace()};
-    const std::string& m = missing.message;
-    const std::string quoted = "Could not run '";
-    if (auto at = m.find(quoted); at != std::string::npos) {
-      const auto start = at + quoted.size();
-      const auto end = m.find('\'', start);
-      if (end != std::string::npos) {
-        missing.op = m.substr(start, end - start);
-      }
-    } else if (auto over = m.find("_overrideable not implemented"); over != std::string::npos) {
-      auto start = m.find_last_of(" \n", over);
-      start = start == std::string::npos ? 0 : start + 1;
-      missing.op = "aten::" + m.substr(start, over - start);
+    missing.op = op_without_meta_kernel(missing.message);
+    if (missing.op.empty() && dynamic_cast<const c10::NotImplementedError*>(&e) == nullptr) {
+      throw;  // not about a missing kernel
     }
     return missing;
   }

@@ -112,10 +112,12 @@ struct MissingMetaKernel {
 
 /// Runs `run` (a forward, or a whole step, on meta tensors) after
 /// register_meta_kernels(), and returns the op that could not run on meta if
-/// that is why it threw (c10::NotImplementedError: "Could not run 'aten::x'
-/// with arguments from the 'Meta' backend", or a composite kernel's
-/// "x_overrideable not implemented"), or nullopt if `run` returned. Any other
-/// error propagates. A planner uses it to fall back to profiling that region
+/// that is why it threw (LibTorch words it "Could not run 'aten::x' with
+/// arguments from the 'Meta' backend", "aten::x: attempted to run this
+/// operator with Meta tensors, but there was no fake impl or Meta kernel
+/// registered", or, from a composite kernel, "x_overrideable not
+/// implemented"; any c10::NotImplementedError counts, with `op` "" if it names
+/// none), or nullopt if `run` returned. Any other error propagates. A planner uses it to fall back to profiling that region
 /// on CPU at the planned shapes instead of failing the whole plan.
 ///
 /// Example:
