@@ -151,7 +151,9 @@ class RestoreStateGuard final : public InterceptHandler {
 // step, and any module that counts its calls would count twice. PyTorch's
 // checkpoint has this flaw; we do not. While a region is recomputed, this
 // handler (innermost, so it also sees ops a selective policy replays) watches
-// every op: an argument the op writes (`Tensor(a!)` in its schema) whose
+// every op: an argument the op writes (`Tensor(a!)` in its schema, or a
+// batch norm's `running_mean`/`running_var`, which native_batch_norm writes
+// with no annotation) whose
 // storage was not made during the recompute is state from outside the region,
 // so its whole storage is copied once before the first write and copied back
 // when the recompute ends (early stop and errors included). Storages the
@@ -199,7 +201,10 @@ void RestoreStateGuard::handle(const InterceptScope& scope, const c10::OperatorH
   const size_t base = stack->size() - args.size();
   for (size_t i = 0; i < args.size(); ++i) {
     const auto* alias = args[i].alias_info();
-    if (alias == nullptr || !alias->isWrite()) {
+    // native_batch_norm (and cudnn/miopen_batch_norm) write their running
+    // statistics without saying so in the schema ("Tensor? running_mean").
+    const bool hidden_write = args[i].name() == "running_mean" || args[i].name() == "running_var";
+    if ((alias == nullptr || !alias->isWrite()) && !hidden_write) {
       continue;
     }
     const auto& v = (*stack)[base + i];

@@ -20,6 +20,7 @@
 #include <torch/nn/options/linear.h>
 
 #include "trainmem/checkpoint.h"
+#include "trainmem/planner.h"
 
 // Note [Models from config files]
 // A config.json is read for the shape only: the keys that change a parameter
@@ -462,6 +463,9 @@ at::Tensor HfModel::loss(const at::Tensor& tokens, const BlockCheckpointing& pla
 }
 
 HfModel build_hf_model(const HfConfig& config) {
+  // On meta, SDPA and LayerNorm then save what the CPU's kernels save (and
+  // causal attention does not fall into the math path's missing `where`).
+  enable_cpu_meta_kernels();
   HfModel m;
   m.config = config;
   if (config.architecture == HfArchitecture::kGPT2) {

@@ -191,6 +191,8 @@ struct HfModel {
 
 /// Builds the model `config` describes on the current device: under a
 /// MetaInitGuard on meta (nothing allocated), else on CPU and initialized.
+/// Calls enable_cpu_meta_kernels() (planner.h) first, so a forward on meta
+/// saves what the CPU's would (flash attention, LayerNorm layouts).
 ///
 /// Example:
 /// ```
