@@ -1,6 +1,8 @@
 #include "trainmem/hf_model.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -200,6 +202,54 @@ TEST(HfModelTest, LlamaUnderACheckpointPlanGivesIdenticalGradients) {
     (void)model.loss(tokens, trainmem::BlockCheckpointing::full(2));
   }
   EXPECT_LT(full.report().saved_bytes, none.report().saved_bytes);
+}
+
+
+// transformers' name of a parameter of our Llama.
+std::string transformers_name(std::string n) {
+  if (n.rfind("lm_head.", 0) == 0) return n;
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {".q_proj.", ".self_attn.q_proj."}, {".k_proj.", ".self_attn.k_proj."},
+           {".v_proj.", ".self_attn.v_proj."}, {".o_proj.", ".self_attn.o_proj."},
+           {".gate_proj.", ".mlp.gate_proj."}, {".up_proj.", ".mlp.up_proj."},
+           {".down_proj.", ".mlp.down_proj."}}) {
+    if (auto at = n.find(from); at != std::string::npos) n.replace(at, from.size(), to);
+  }
+  return "model." + n;
+}
+
+// Independent check (tests/hf_llama_loss.py runs it with transformers'
+// loss): every parameter filled with the same values as there, by its
+// transformers name (sorted index i: 0.25 sin(0.7 k + i), norms 1 + that),
+// gives transformers' LlamaForCausalLM loss on the same tokens.
+TEST(HfModelTest, LlamaLossEqualsTransformers) {
+  const char* expected = std::getenv("TRAINMEM_HF_LLAMA_LOSS");
+  const char* path = std::getenv("TRAINMEM_HF_CONFIG");
+  if (expected == nullptr || path == nullptr) {
+    GTEST_SKIP() << "run by tests/hf_llama_loss.py (ctest hf.llama_loss_matches_transformers)";
+  }
+  const auto model = trainmem::build_hf_model(trainmem::load_hf_config(path));
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& p : model.module->named_parameters()) params.emplace_back(transformers_name(p.key()), p.value());
+  std::sort(params.begin(), params.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, p] = params[i];
+      const bool norm = name.size() >= 16 && (name.ends_with("layernorm.weight") || name == "model.norm.weight");
+      auto k = torch::arange(p.numel(), torch::kDouble);
+      auto v = (0.25 * torch::sin(0.7 * k + static_cast<double>(i))).to(torch::kFloat);
+      p.copy_((norm ? v + 1.0 : v).view_as(p));
+    }
+  }
+  const int64_t B = 2, T = 16, V = model.config.vocab_size;
+  auto tokens = torch::empty({B, T}, torch::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) tokens[b][t] = (7 * b + 3 * t) % V;
+  }
+  const double loss = model.loss(tokens).item<double>();
+  std::printf("%s: trainmem loss %.9f, transformers %s\n", path, loss, expected);
+  EXPECT_NEAR(loss, std::stod(expected), 1e-5);
 }
 
 } // namespace
