@@ -775,6 +775,46 @@ TEST(MetaKernelTest, ResidualBatchNormNetAndGeneratorMatchCpu) {
       one_input({4, 16, 1, 1}), forward_of<SequentialImpl>());
 }
 
+// bf16: a bf16 conv net, and BatchNorm with bf16 input and fp32 parameters
+// (the CPU's mixed-type kernel: statistics and parameter grads in fp32).
+TEST(MetaKernelTest, Bf16ConvolutionAndMixedBatchNormMatchCpu) {
+  using namespace torch::nn;
+  auto bf16_input = [](std::vector<int64_t> sizes, at::MemoryFormat format) -> MakeInputs {
+    return [=](c10::Device d) {
+      auto opts = at::TensorOptions().device(d).dtype(at::kBFloat16);
+      auto t = d.is_meta() ? at::empty(sizes, opts.memory_format(format))
+                           : at::randn(sizes, opts).contiguous(format);
+      return std::vector<at::Tensor>{t.requires_grad_()};
+    };
+  };
+  auto bf16 = [](MakeModule make) -> MakeModule {
+    return [make] {
+      auto m = make();
+      m->to(at::kBFloat16);
+      return m;
+    };
+  };
+  for (auto format : {at::MemoryFormat::Contiguous, at::MemoryFormat::ChannelsLast}) {
+    const std::string f = format == at::MemoryFormat::Contiguous ? "" : " channels-last";
+    expect_meta_matches_cpu("bf16 conv2d" + f,
+                            bf16(module_of<Conv2d>([] { return Conv2d(Conv2dOptions(3, 8, 3).padding(1)); })),
+                            bf16_input({2, 3, 8, 8}, format), forward_of<Conv2dImpl>());
+    expect_meta_matches_cpu("bf16 conv_transpose2d" + f,
+                            bf16(module_of<ConvTranspose2d>([] {
+                              return ConvTranspose2d(ConvTranspose2dOptions(3, 4, 4).stride(2).padding(1));
+                            })),
+                            bf16_input({2, 3, 5, 5}, format),
+                            [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+                              return std::vector<at::Tensor>{dynamic_cast<ConvTranspose2dImpl&>(m).forward(in[0])};
+                            });
+    for (bool eval : {false, true}) {
+      expect_meta_matches_cpu("bf16 input, fp32 batch_norm2d" + f + (eval ? " eval" : " train"),
+                              module_of<BatchNorm2d>([] { return BatchNorm2d(3); }),
+                              bf16_input({2, 3, 5, 5}, format), forward_of<BatchNorm2dImpl>(), eval);
+    }
+  }
+}
+
 TEST(MetaKernelTest, FindsTheOpWithNoMetaKernel) {
   auto missing = trainmem::find_missing_meta_kernel([] {
     auto x = at::empty({4, 5}, at::TensorOptions().device(at::kMeta));
