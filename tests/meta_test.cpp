@@ -773,6 +773,65 @@ TEST(MetaKernelTest, ResidualBatchNormNetAndGeneratorMatchCpu) {
             .ptr();
       },
       one_input({4, 16, 1, 1}), forward_of<SequentialImpl>());
+  // The DCGAN discriminator (LeakyReLU, BatchNorm, a sigmoid and BCE against ones).
+  expect_meta_matches_cpu(
+      "dcgan discriminator + bce",
+      [] {
+        return Sequential(Conv2d(Conv2dOptions(1, 8, 4).stride(2).padding(1).bias(false)),
+                          LeakyReLU(LeakyReLUOptions().negative_slope(0.2)),
+                          Conv2d(Conv2dOptions(8, 16, 4).stride(2).padding(1).bias(false)), BatchNorm2d(16),
+                          LeakyReLU(LeakyReLUOptions().negative_slope(0.2)),
+                          Conv2d(Conv2dOptions(16, 1, 4).stride(1).padding(0).bias(false)), Sigmoid())
+            .ptr();
+      },
+      one_input({4, 1, 16, 16}), [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+        auto p = dynamic_cast<SequentialImpl&>(m).forward(in[0]).view({-1});
+        return std::vector<at::Tensor>{torch::nn::functional::binary_cross_entropy(p, at::ones_like(p)), p};
+      });
+}
+
+// A ResNet basic block: conv-BN-ReLU-conv-BN plus a strided 1x1 conv-BN shortcut, then ReLU.
+struct BasicBlock : torch::nn::Module {
+  BasicBlock()
+      : conv1(torch::nn::Conv2dOptions(4, 8, 3).stride(2).padding(1).bias(false)),
+        bn1(8),
+        conv2(torch::nn::Conv2dOptions(8, 8, 3).padding(1).bias(false)),
+        bn2(8),
+        down(torch::nn::Conv2dOptions(4, 8, 1).stride(2).bias(false)),
+        down_bn(8) {
+    register_module("conv1", conv1);
+    register_module("bn1", bn1);
+    register_module("conv2", conv2);
+    register_module("bn2", bn2);
+    register_module("down", down);
+    register_module("down_bn", down_bn);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = at::relu(bn1->forward(conv1->forward(x)));
+    h = bn2->forward(conv2->forward(h));
+    return at::relu(h + down_bn->forward(down->forward(x)));
+  }
+  torch::nn::Conv2d conv1;
+  torch::nn::BatchNorm2d bn1;
+  torch::nn::Conv2d conv2;
+  torch::nn::BatchNorm2d bn2;
+  torch::nn::Conv2d down;
+  torch::nn::BatchNorm2d down_bn;
+};
+
+TEST(MetaKernelTest, ResNetBasicBlockMatchesCpu) {
+  for (auto format : {at::MemoryFormat::Contiguous, at::MemoryFormat::ChannelsLast}) {
+    for (bool eval : {false, true}) {
+      expect_meta_matches_cpu(
+          std::string("resnet basic block") + (format == at::MemoryFormat::ChannelsLast ? " channels-last" : "") +
+              (eval ? " eval" : " train"),
+          [] { return std::make_shared<BasicBlock>(); }, one_input({2, 4, 8, 8}, format),
+          [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+            return std::vector<at::Tensor>{dynamic_cast<BasicBlock&>(m).forward(in[0])};
+          },
+          eval);
+    }
+  }
 }
 
 // bf16: a bf16 conv net, and BatchNorm with bf16 input and fp32 parameters
