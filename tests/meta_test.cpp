@@ -874,6 +874,27 @@ TEST(MetaKernelTest, Bf16ConvolutionAndMixedBatchNormMatchCpu) {
   }
 }
 
+// The meta kernels check their arguments as the CPU's do, naming the values.
+TEST(MetaKernelTest, BadShapesOnMetaNameTheValues) {
+  trainmem::register_meta_kernels();
+  const auto opts = at::TensorOptions().device(at::kMeta);
+  auto message = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  const auto channels = message([&] { at::conv2d(at::empty({1, 3, 8, 8}, opts), at::empty({4, 2, 3, 3}, opts)); });
+  EXPECT_NE(channels.find("[4, 2, 3, 3]"), std::string::npos) << channels;
+  EXPECT_NE(channels.find("[1, 3, 8, 8]"), std::string::npos) << channels;
+  const auto small = message([&] { at::conv2d(at::empty({1, 2, 2, 2}, opts), at::empty({4, 2, 3, 3}, opts)); });
+  EXPECT_NE(small.find("too small"), std::string::npos) << small;
+  const auto pool = message([&] { at::max_pool3d(at::empty({2, 3, 4, 4}, opts), {5, 5, 5}); });
+  EXPECT_NE(pool.find("max_pool3d"), std::string::npos) << pool;
+}
+
 TEST(MetaKernelTest, FindsTheOpWithNoMetaKernel) {
   auto missing = trainmem::find_missing_meta_kernel([] {
     auto x = at::empty({4, 5}, at::TensorOptions().device(at::kMeta));
@@ -893,6 +914,14 @@ TEST(MetaKernelTest, FindsTheOpWithNoMetaKernel) {
                      .sum()
                      .backward();
                }).has_value());
+  // A composite kernel's wording ("convolution_overrideable not implemented").
+  auto composite = trainmem::find_missing_meta_kernel([] {
+    auto opts = at::TensorOptions().device(at::kMeta);
+    at::convolution_overrideable(at::empty({1, 2, 5, 5}, opts), at::empty({3, 2, 3, 3}, opts), std::nullopt,
+                                 {1, 1}, {0, 0}, {1, 1}, false, {0, 0}, 1);
+  });
+  ASSERT_TRUE(composite.has_value());
+  EXPECT_EQ(composite->op, "aten::convolution") << composite->message;
   // Other errors are not a missing kernel: they propagate.
   EXPECT_THROW(trainmem::find_missing_meta_kernel([] { TORCH_CHECK(false, "not about meta"); }),
                c10::Error);
