@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "model_file.h"
 #include "trainmem/accountant.h"
 #include "trainmem/device.h"
 #include "trainmem/report.h"
@@ -227,7 +228,15 @@ void add_estimate_command(CLI::App& app) {
   auto* sub = app.add_subcommand("estimate", "predict static buckets and activations without running anything");
   add_training_flags(*sub, *f);
   sub->add_flag("--json", f->json, "print one JSON document instead of text");
-  sub->callback([f] { run_estimate(*f); });
+  auto m = std::make_shared<ModelFileFlags>();
+  add_model_file_flags(*sub, *m);  // --model FILE (model_file.cpp)
+  sub->callback([f, m] {
+    if (!m->path.empty()) {
+      run_estimate_model(*m, f->model.batch, f->model.seq_len, f->json);
+    } else {
+      run_estimate(*f);
+    }
+  });
 }
 
 void add_report_command(CLI::App& app) {
