@@ -69,6 +69,7 @@ struct CudaAllocatorConfig {
   /// The device's memory the allocator may reserve, in bytes; 0: unlimited.
   TORCH_ARG(int64_t, device_bytes) = 0;
 
+ public:  // TORCH_ARG leaves the section private
   /// Parses a `PYTORCH_CUDA_ALLOC_CONF` string: `max_split_size_mb:N`,
   /// `max_non_split_rounding_mb:N`, `roundup_power2_divisions:N` or
   /// `roundup_power2_divisions:[256:1,512:2,>:4]` (keys in MiB, powers of
