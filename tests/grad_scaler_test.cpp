@@ -3,11 +3,15 @@
 // scale sequence, same skipped steps, bit-identical parameters.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
+
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,14 +44,14 @@ at::Tensor read_raw(const fs::path& path, at::IntArrayRef shape) {
   return t;
 }
 
-struct Setup {
+struct OracleSetup {
   int64_t d_in = 8, d_hidden = 16, d_out = 4, batch = 32, steps = 12;
   std::vector<int64_t> overflow_steps = {2, 3, 8};
   double init_scale = 1024.0, growth_factor = 2.0, backoff_factor = 0.5, lr = 0.05, max_norm = 0.5;
   int64_t growth_interval = 3;
 };
 
-torch::nn::Sequential make_net(const Setup& s) {
+torch::nn::Sequential make_net(const OracleSetup& s) {
   return torch::nn::Sequential(torch::nn::Linear(s.d_in, s.d_hidden), torch::nn::Tanh(),
                                torch::nn::Linear(s.d_hidden, s.d_out));
 }
@@ -59,7 +63,7 @@ TEST(GradScalerTest, MatchesPythonGradScaler) {
     GTEST_SKIP() << "no Python with torch (TRAINMEM_GRAD_SCALER_ORACLE) to run the oracle";
   }
   at::set_num_threads(1);
-  const Setup s;
+  const OracleSetup s;
   torch::manual_seed(0);
   auto net = make_net(s);
   const auto x = torch::randn({s.batch, s.d_in});
