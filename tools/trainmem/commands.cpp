@@ -3,6 +3,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -12,6 +13,7 @@
 #include "cli.h"
 #include "model_file.h"
 #include "trainmem/accountant.h"
+#include "trainmem/cuda_predict.h"
 #include "trainmem/device.h"
 #include "trainmem/report.h"
 #include "trainmem/trainer.h"
@@ -44,6 +46,10 @@ struct AuditFlags {
   bool json = false;
   bool no_timeline = false;
   std::string html, trace, snapshot;
+  bool tf32 = false;
+  // estimate --device cuda: the caching allocator's settings and cuBLAS's workspace.
+  std::string alloc_conf;
+  int64_t cublas_workspace = kCublasWorkspaceBytes;
 };
 
 void add_training_flags(CLI::App& sub, AuditFlags& f) {
@@ -51,8 +57,8 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
   sub.add_option("--optimizer", f.optimizer, "adamw, adam or sgd (momentum 0.9)")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
       ->capture_default_str();
-  sub.add_option("--precision", f.precision, "fp32, bf16-autocast or bf16")
-      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16"}))
+  sub.add_option("--precision", f.precision, "fp32, bf16-autocast, bf16 or fp16-autocast (with a GradScaler)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast"}))
       ->capture_default_str();
   sub.add_option("--accumulate", f.accumulate, "micro-batches per step (gradient accumulation)")
       ->capture_default_str();
@@ -72,7 +78,8 @@ void run_audit(const AuditFlags& f) {
       .optimizer_in_backward(f.optimizer_in_backward)
       .accumulation(f.accumulate)
       .seed(f.seed)
-      .timeline(!f.no_timeline);
+      .timeline(!f.no_timeline)
+      .tf32(f.tf32);
   try {
     check_trainer_options(o);
   } catch (const c10::Error& e) {
@@ -121,6 +128,41 @@ int64_t element_bytes(const std::string& precision) {
   return precision == "bf16" ? 2 : 4;
 }
 
+// estimate --device cuda: the step (forward, loss, backward, optimizer step)
+// run on meta and replayed through the caching-allocator model.
+CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo) {
+  std::optional<c10::Device> device;
+  try {
+    device.emplace(f.device);
+  } catch (const c10::Error&) {
+  }
+  if (!device || !device->is_cuda()) {
+    throw UsageError("--device " + f.device + ": expected cpu or cuda[:index]");
+  }
+  if (f.precision != "fp32") {
+    throw UsageError("--device cuda --precision " + f.precision +
+                     ": the CUDA prediction runs fp32 (LibTorch's autocast has no meta dispatch key)");
+  }
+  if (f.accumulate != 1) {
+    throw UsageError("--device cuda predicts one batch; drop --accumulate");
+  }
+  if (f.optimizer == "sgd") {
+    throw UsageError("--device cuda --optimizer sgd: the CUDA prediction models AdamW and Adam (same state)");
+  }
+  if (f.cublas_workspace < 0) {
+    throw UsageError(fmt::format("--cublas-workspace {}: expected bytes >= 0", f.cublas_workspace));
+  }
+  CudaPredictOptions o;
+  try {
+    o.allocator(CudaAllocatorConfig::parse(f.alloc_conf));
+  } catch (const c10::Error& e) {
+    throw UsageError("--alloc-conf: " + std::string(e.what_without_backtrace()));
+  }
+  o.cublas_workspace_bytes(f.cublas_workspace);
+  return predict_cuda_transformer_step(mo, BlockCheckpointing::named(mo.num_layers(), "none"),
+                                       /*adamw=*/true, o);
+}
+
 void run_estimate(const AuditFlags& f) {
   check_model_flags(f.model);
   if (f.accumulate < 1 || f.model.batch % f.accumulate != 0) {
@@ -143,6 +185,10 @@ void run_estimate(const AuditFlags& f) {
   const bool exact = f.precision == "fp32";
   const auto terms = estimate_activation_bytes(micro);
   const int64_t activations = exact ? terms.total_bytes : first_order / 2;
+  std::optional<CudaStepPrediction> cuda;
+  if (f.device != "cpu") {
+    cuda = estimate_cuda(f, mo);
+  }
   if (f.json) {
     nlohmann::ordered_json j;
     j["schema"] = "trainmem/1";
@@ -164,6 +210,16 @@ void run_estimate(const AuditFlags& f) {
       }
     }
     j["lower_bound_peak_bytes"] = static_bytes + activations;
+    if (cuda) {
+      j["cuda"] = {{"max_memory_allocated_bytes", cuda->max_memory_allocated_bytes},
+                   {"max_memory_reserved_bytes", cuda->max_memory_reserved_bytes},
+                   {"peak_phase", phase_name(cuda->phase)},
+                   {"workspace_bytes", cuda->terms.workspace_bytes},
+                   {"kernel_temporary_bytes", cuda->terms.kernel_temporary_bytes},
+                   {"rounding_bytes", cuda->terms.rounding_bytes},
+                   {"alloc_conf", f.alloc_conf},
+                   {"cublas_workspace_bytes", f.cublas_workspace}};
+    }
     std::cout << j.dump(2) << "\n";
     return;
   }
@@ -188,6 +244,11 @@ void run_estimate(const AuditFlags& f) {
   }
   out += fmt::format("lower bound of the step peak {:>16} B  {:>10}  (static + activations, before transients)\n",
                      with_commas(static_bytes + activations), human_bytes(static_bytes + activations));
+  if (cuda) {
+    out += fmt::format("on {} (a meta run replayed through the CUDA caching-allocator model, {}, no checkpointing):\n",
+                       f.device, f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
+    out += to_string(*cuda);
+  }
   std::cout << out;
 }
 
@@ -220,6 +281,7 @@ void add_audit_command(CLI::App& app) {
   sub->add_option("--trace", f->trace, "write a Chrome-trace/Perfetto JSON timeline to FILE");
   sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE");
   sub->add_flag("--no-timeline", f->no_timeline, "do not record allocator events (CPU)");
+  sub->add_flag("--tf32", f->tf32, "CUDA: allow TF32 in fp32 matmuls and convolutions (recorded in the report)");
   sub->callback([f] { run_audit(*f); });
 }
 
@@ -228,6 +290,12 @@ void add_estimate_command(CLI::App& app) {
   auto* sub = app.add_subcommand("estimate", "predict static buckets and activations without running anything");
   add_training_flags(*sub, *f);
   sub->add_flag("--json", f->json, "print one JSON document instead of text");
+  sub->add_option("--device", f->device, "cpu, or cuda[:index]: also predict the CUDA step's max allocated/reserved")
+      ->capture_default_str();
+  sub->add_option("--alloc-conf", f->alloc_conf, "with --device cuda: PYTORCH_CUDA_ALLOC_CONF settings to model");
+  sub->add_option("--cublas-workspace", f->cublas_workspace,
+                  "with --device cuda: cuBLAS workspace bytes per thread (8519680; 33554432 on Hopper and later)")
+      ->capture_default_str();
   auto m = std::make_shared<ModelFileFlags>();
   add_model_file_flags(*sub, *m);  // --model FILE (model_file.cpp)
   sub->callback([f, m] {

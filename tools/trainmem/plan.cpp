@@ -16,6 +16,7 @@
 
 #include "cli.h"
 #include "trainmem/allocator.h"
+#include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "trainmem/transformer.h"
@@ -30,6 +31,8 @@ struct PlanFlags {
   bool no_selective = false;
   bool no_run = false;
   std::string cost = "flops";
+  std::string device = "cpu";             // cuda: plan against the predicted CUDA peak
+  std::string budget_kind = "allocated";  // with cuda: allocated or reserved
 };
 
 std::string commas(int64_t v) {
@@ -100,6 +103,53 @@ Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
   return m;
 }
 
+// plan --device cuda: the budget is on the predicted CUDA max_memory_allocated
+// or max_memory_reserved (cuda_predict.h); nothing runs (no GPU is needed).
+void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions& options, const std::string& unit) {
+  std::optional<c10::Device> device;
+  try {
+    device.emplace(f.device);
+  } catch (const c10::Error&) {
+  }
+  if (!device || !device->is_cuda()) {
+    throw UsageError("--device " + f.device + ": expected cpu or cuda[:index]");
+  }
+  if (f.budget_kind != "allocated" && f.budget_kind != "reserved") {
+    throw UsageError("--budget-kind " + f.budget_kind + ": expected allocated or reserved");
+  }
+  const auto kind = f.budget_kind == "allocated" ? CudaBudgetKind::kAllocated : CudaBudgetKind::kReserved;
+  const auto r = plan_checkpointing_cuda(o, options, kind);
+  if (f.json) {
+    nlohmann::json doc = {
+        {"schema", "trainmem/1"},
+        {"command", "plan"},
+        {"device", f.device},
+        {"budget_kind", to_string(kind)},
+        {"plan", plan_json(r.plan)},
+        {"cost_unit", unit},
+        {"cuda", {{"feasible", r.feasible},
+                  {"budget_bytes", r.budget_bytes},
+                  {"planner_budget_bytes", r.planner_budget_bytes},
+                  {"max_memory_allocated_bytes", r.cuda.max_memory_allocated_bytes},
+                  {"max_memory_reserved_bytes", r.cuda.max_memory_reserved_bytes}}},
+    };
+    std::cout << doc.dump() << "\n";
+  } else {
+    std::cout << fmt::format("trainmem plan --device {}: budget {} B on max_memory_{} (predicted; nothing is run)\n\n",
+                             f.device, commas(r.budget_bytes), to_string(kind));
+    std::cout << to_string(r.plan);
+    std::cout << "\n" << to_string(r.cuda);
+    std::cout << fmt::format("planner budget after {} round(s): {} B (CUDA adds workspaces, rounding, copies, slack)\n",
+                             r.num_rounds, commas(r.planner_budget_bytes));
+  }
+  if (!r.feasible) {
+    throw CheckFailed(fmt::format("no plan's predicted CUDA max_memory_{} fits {} B (the last plan tried, '{}', "
+                                  "predicts {} B allocated, {} B reserved)",
+                                  to_string(kind), commas(r.budget_bytes), r.plan.name,
+                                  commas(r.cuda.max_memory_allocated_bytes), commas(r.cuda.max_memory_reserved_bytes)));
+  }
+}
+
 void run(const PlanFlags& f) {
   check_model_flags(f.model);
   const int64_t budget = parse_bytes(f.budget);
@@ -123,6 +173,10 @@ void run(const PlanFlags& f) {
     throw UsageError("--cost " + f.cost + ": expected flops or time");
   }
   const std::string unit = f.cost == "time" ? "s" : "FLOPs";
+  if (f.device != "cpu") {
+    run_cuda(f, o, plan_options, unit);
+    return;
+  }
   const auto plan = plan_checkpointing(o, plan_options);
   const std::string unmet = fmt::format(
       "no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'), at a "
@@ -190,6 +244,11 @@ void add_plan_command(CLI::App& app) {
   sub->add_flag("--no-selective", f->no_selective, "whole blocks only (store, checkpoint, segments)");
   sub->add_flag("--no-run", f->no_run, "plan only; do not run the plan");
   sub->add_option("--cost", f->cost, "recompute cost per op: flops (from shapes) or time (measured on CPU first)");
+  sub->add_option("--device", f->device, "cpu, or cuda[:index]: the budget is on the predicted CUDA peak")
+      ->capture_default_str();
+  sub->add_option("--budget-kind", f->budget_kind, "with --device cuda: allocated or reserved")
+      ->check(CLI::IsMember({"allocated", "reserved"}))
+      ->capture_default_str();
   sub->callback([f] { run(*f); });
 }
 
