@@ -18,7 +18,8 @@
 //   seed001 --run-cpu    also runs the checkpoint experiment for real on the
 //                        CPU (about 4 GB, minutes on 2 cores) and compares the
 //                        measured peak with the CPU prediction
-//   seed001 --gpu        on a CUDA machine, runs both experiments on the GPU
+//   seed001 --gpu        on a CUDA machine, runs both experiments and the capstone (per
+//                        checkpointing variant, with step-time ratios) on the GPU
 //                        and prints measured beside predicted (skips without CUDA)
 #include <cstdio>
 #include <cstring>
@@ -34,7 +35,10 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+
+#include <chrono>
 
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
@@ -44,6 +48,7 @@
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "trainmem/report.h"
+#include "trainmem/transformer.h"
 
 namespace {
 
@@ -198,6 +203,47 @@ void print_terms(const char* title, const trainmem::CudaStepPrediction& a, const
                            mb(b.max_memory_allocated_bytes));
 }
 
+// For `make gpu-check`: the capstone (AdamW, second step) per checkpointing
+// variant, predicted max_memory_allocated / reserved beside the measured, and
+// the step time relative to storing everything.
+void capstone_on_gpu(const c10::Device& dev) {
+  const trainmem::TransformerOptions o;
+  std::cout << "\nCapstone on the GPU (AdamW, second step): measured / predicted max allocated, reserved; time vs none\n";
+  double none_seconds = 0.0;
+  for (const auto& ck : trainmem::BlockCheckpointing::seed_variants(o.num_layers())) {
+    const auto pred = trainmem::predict_cuda_transformer_step(o, ck);
+    torch::manual_seed(0);
+    trainmem::Transformer model(o);
+    model->to(dev);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()}, at::TensorOptions(dev));
+    auto step = [&] {
+      opt.zero_grad();
+      model->forward(x, ck).pow(2).mean().backward();
+      opt.step();
+    };
+    step();  // warm-up: optimizer state, workspaces, cached segments
+    torch::cuda::synchronize();
+    trainmem::reset_peak(dev);
+    step();
+    torch::cuda::synchronize();
+    const auto s = trainmem::device_memory_stats(dev);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10; ++i) {
+      step();
+    }
+    torch::cuda::synchronize();
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 10;
+    if (none_seconds == 0.0) {
+      none_seconds = sec;
+    }
+    std::cout << fmt::format("  {:<10} allocated {} / {} B, reserved {} / {} B, time x{:.2f}\n", ck.name,
+                             with_commas(s.peak_allocated_bytes), with_commas(pred.max_memory_allocated_bytes),
+                             with_commas(s.peak_reserved_bytes), with_commas(pred.max_memory_reserved_bytes),
+                             sec / none_seconds);
+  }
+}
+
 struct Options {
   bool run_cpu = false;
   bool gpu = false;
@@ -341,6 +387,7 @@ int run(const Options& opts) {
                                with_commas(s.peak_reserved_bytes), with_commas(pred.max_memory_allocated_bytes),
                                with_commas(pred.max_memory_reserved_bytes));
     }
+    capstone_on_gpu(dev);
   }
   return store_ok && ckpt_ok ? 0 : 3;
 }
