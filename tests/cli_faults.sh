@@ -3,12 +3,12 @@
 # command. Each case prints what the command printed, then "status N"; the
 # ctests in tools/trainmem/CMakeLists.txt assert the message and exit code.
 #
-# Usage: cli_faults.sh CASE TRAINMEM OUTDIR
+# Usage: cli_faults.sh TRAINMEM OUTDIR CASE
 # The report cases read OUTDIR/fault.json, written by the `fixture` case.
 set -u
-case_name=$1
-tm=$2
-out=$3
+tm=$1
+out=$2
+case_name=$3
 dir=$out/$case_name
 rm -rf "$dir"
 mkdir -p "$dir"
