@@ -1,7 +1,8 @@
 # LibTorch and fmt, shared by the library and its tests.
 #
-# LibTorch: 2.11 or newer. Built and tested with 2.11, 2.13 and 2.15 (README,
-# "Supported LibTorch"); the floor also keeps Debian's libtorch-dev 1.13 out.
+# LibTorch: 2.11 or newer (README, "Supported LibTorch", says which versions
+# were actually built and tested); the floor also keeps Debian's libtorch-dev
+# 1.13 out.
 # Included from a parent project (add_subdirectory, FetchContent), LibTorch's
 # imported targets must be visible there too, or the parent cannot link us.
 if(NOT TRAINMEM_TOP_LEVEL AND NOT TARGET torch)
