@@ -11,6 +11,7 @@
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <ATen/Context.h>
 #include <ATen/OpMathType.h>
@@ -34,8 +35,8 @@
 #include <c10/util/StringUtil.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <torch/csrc/autograd/function.h>  // Node: node.h only since 2.13
 #include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 #include <torch/nn/module.h>
@@ -356,7 +357,9 @@ class GradWatch {
     MetaCounter* counter;
     bool counted = false;
   };
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  // shared_ptr<Node> before LibTorch 2.13, intrusive_ptr<Node> since.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
 };
 
 } // namespace

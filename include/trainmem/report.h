@@ -121,8 +121,10 @@ std::string to_html(const AuditReport& report);
 std::string to_chrome_trace(const AuditReport& report);
 
 /// A memory_viz snapshot of a CPU timeline as a raw pickle: device_traces
-/// with alloc / free_completed actions (frames name category and phase) and
-/// one segment per block still live at the end.
+/// with segment_alloc / alloc / free_requested / free_completed /
+/// segment_free actions (each CPU block is its own segment; each entry has a
+/// lowercase `category` key, as PyTorch's profiler snapshots do, and frames
+/// naming category and phase), and one segment per block still live at the end.
 std::string to_memory_viz_pickle(const Timeline& timeline);
 
 /// "1,234,567": bytes with thousands separators.

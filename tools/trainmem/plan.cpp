@@ -168,6 +168,9 @@ void run(const PlanFlags& f) {
     torch::manual_seed(0);
     Transformer model(o);
     auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+    if (show_progress()) {  // seconds of work: say so on a terminal, nowhere else
+      std::cerr << "trainmem: timing each op on CPU (3 forward passes)..." << std::endl;
+    }
     plan_options.op_cost(measured_op_cost([&] { model->forward(x); }, 3));
   } else if (f.cost != "flops") {
     throw UsageError("--cost " + f.cost + ": expected flops or time");
@@ -185,6 +188,9 @@ void run(const PlanFlags& f) {
       plan.forward_cost > 0 ? 100.0 * plan.min_peak_cost / plan.forward_cost : 0.0);
   std::optional<Measured> measured;
   if (plan.feasible && !f.no_run) {
+    if (show_progress()) {
+      std::cerr << "trainmem: running the plan (a warm-up step and a measured step)..." << std::endl;
+    }
     measured = run_plan(o, plan);
   }
   if (f.json) {
