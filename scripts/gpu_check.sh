@@ -35,9 +35,11 @@ cli=$GPU_BUILD/tools/trainmem/trainmem
 # the build, with $GPU_BUILD and $OUT set. Each counts as a stage in the
 # summary (pass = exit 0); its output goes to the log and to the screen.
 # Build their targets by adding them to EXTRA_TARGETS.
-EXTRA_TARGETS=()
+EXTRA_TARGETS=(seed001)
 EXTRA_PROGRAMS=(
-  # "$GPU_BUILD/examples/seed_001 --json > $OUT/seed_001.json"   (issue 15)
+  # Seed 001's two experiments and the capstone per checkpointing variant:
+  # predicted max_memory_allocated/reserved beside the measured (issue 15).
+  "$GPU_BUILD/examples/seed001 --gpu"
 )
 # ------------------------------------------------------------------------------
 
@@ -88,7 +90,7 @@ nvrtc=$(ls "$TORCH_VENV"/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.*
 # ---- 1. build --------------------------------------------------------------------
 [ -d "$DEPS" ] || echo "gpu-check: no $DEPS folder (run make deps-bundle first); relying on installed packages" | tee -a "$log"
 stage "configure" cmake -S . -B "$GPU_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  "-DCMAKE_PREFIX_PATH=$torch_prefix" "-DTRAINMEM_DEPS_DIR=$root/$DEPS" \
+  "-DCMAKE_PREFIX_PATH=$torch_prefix" "-DTRAINMEM_DEPS_DIR=$root/$DEPS" -DTRAINMEM_TORCH_MIN=2.11 \
   -DTRAINMEM_BUILD_BENCH=OFF -DTRAINMEM_BUILD_EXAMPLES=ON \
   ${cuda_home:+"-DCUDA_TOOLKIT_ROOT_DIR=$cuda_home" "-DCMAKE_CUDA_COMPILER=$cuda_home/bin/nvcc"} \
   ${nvrtc:+"-DCUDA_nvrtc_LIBRARY=$nvrtc"} || summary

@@ -14,7 +14,9 @@
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/init.h>
 #include <torch/nn/options/linear.h>
@@ -473,6 +475,74 @@ HfModel build_hf_model(const HfConfig& config) {
   } else {
     m.module = Llama(llama_options(config)).ptr();
   }
+  return m;
+}
+
+RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len) {
+  TORCH_CHECK(model.module != nullptr, "hf_region_model: no module (build it with build_hf_model)");
+  const int64_t positions = model.config.architecture == HfArchitecture::kGPT2
+                                ? gpt_options(model.config).context_length()
+                                : llama_options(model.config).max_positions();
+  TORCH_CHECK(batch >= 1, "hf_region_model: expected a batch >= 1, but got ", batch);
+  TORCH_CHECK(seq_len >= 2 && seq_len <= positions, "hf_region_model: expected a sequence length in [2, ",
+              positions, "], but got ", seq_len);
+  using Modules = std::vector<std::shared_ptr<torch::nn::Module>>;
+  RegionModel m;
+  if (model.config.architecture == HfArchitecture::kGPT2) {
+    auto gpt = std::dynamic_pointer_cast<GPTImpl>(model.module);
+    m.regions.emplace_back(
+        "embed",
+        [gpt](const at::Tensor& tokens) {
+          auto pos = at::arange(tokens.size(1), tokens.options().dtype(at::kLong));
+          return gpt->wte->forward(tokens) + gpt->wpe->forward(pos);
+        },
+        Modules{gpt->wte.ptr(), gpt->wpe.ptr()});
+    for (auto& r : regions_of<TransformerBlockImpl>(gpt->transformer->blocks)) {
+      m.regions.push_back(std::move(r));
+    }
+    m.regions.emplace_back(
+        "head", [gpt](const at::Tensor& h) { return at::linear(gpt->ln_f->forward(h), gpt->wte->weight); },
+        Modules{gpt->ln_f.ptr(), gpt->wte.ptr()});
+  } else {
+    auto llama = std::dynamic_pointer_cast<LlamaImpl>(model.module);
+    m.regions.emplace_back(
+        "embed", [llama](const at::Tensor& tokens) { return llama->embed_tokens->forward(tokens); },
+        Modules{llama->embed_tokens.ptr()});
+    for (size_t i = 0; i < llama->layers->size(); ++i) {
+      auto block = std::dynamic_pointer_cast<LlamaBlockImpl>(llama->layers->ptr(i));
+      // As run_blocks: the tables in fp32, then in the activations' dtype.
+      m.regions.emplace_back(
+          fmt::format("layers.{}", i),
+          [llama, block](const at::Tensor& h) {
+            auto [cos, sin] = llama->rotary(h.size(1), h.options());
+            return block->forward(h, cos.to(h.scalar_type()), sin.to(h.scalar_type()));
+          },
+          Modules{block});
+    }
+    Modules head{llama->norm.ptr()};
+    if (llama->lm_head) {
+      head.push_back(llama->lm_head.ptr());
+    } else {
+      head.push_back(llama->embed_tokens.ptr());
+    }
+    m.regions.emplace_back(
+        "head",
+        [llama](const at::Tensor& h) {
+          auto x = llama->norm->forward(h);
+          return llama->lm_head ? llama->lm_head->forward(x) : at::linear(x, llama->embed_tokens->weight);
+        },
+        std::move(head));
+  }
+  m.input = [batch, seq_len](c10::Device device) {
+    return at::zeros({batch, seq_len}, at::TensorOptions().dtype(at::kLong).device(device));
+  };
+  // causal_lm_loss on the zero tokens of `input`: zero labels, the last position ignored.
+  m.loss = [](const at::Tensor& logits) {
+    auto labels = at::constant_pad_nd(
+        at::zeros({logits.size(0), logits.size(1) - 1}, logits.options().dtype(at::kLong)), {0, 1}, -100);
+    return at::cross_entropy_loss(logits.flatten(0, 1), labels.flatten(), std::nullopt, at::Reduction::Mean,
+                                  -100);
+  };
   return m;
 }
 

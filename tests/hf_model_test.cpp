@@ -13,6 +13,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
 #include "trainmem/planner.h"
+#include "region_planner_check.h"
 
 namespace {
 
@@ -171,6 +172,31 @@ TEST(HfModelTest, TinyModelsStepPeakOnMetaMatchesTheCpu) {
     EXPECT_EQ(predicted.optimizer_state_bytes, measured.optimizer_state_bytes) << name;
     EXPECT_LT(std::abs(err), 0.005) << name;
   }
+}
+
+// The models as regions (hf_region_model): planned on meta (without a
+// budget, halfway, at the smallest peak), each plan run on CPU: saved bytes
+// exact, the step peak within 0.5 %, within the budget, gradients equal to
+// the plain run's; and the regions compute the model's own loss.
+TEST(HfModelTest, TinyModelsPlannedAsRegionsFitWhenRun) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json", "tiny_llama_tied_bias.json"}) {
+    const auto config = trainmem::load_hf_config(data(name));
+    torch::manual_seed(0);
+    const auto model = trainmem::build_hf_model(config);
+    torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto m = trainmem::hf_region_model(model, 4, 32);
+    m.optimizer = &opt;
+    ASSERT_EQ(static_cast<int64_t>(m.regions.size()), config.num_layers + 2) << name;
+    const auto zeros = at::zeros({4, 32}, at::kLong);
+    EXPECT_TRUE(at::equal(m.loss(trainmem::run_regions(m.regions, zeros, trainmem::BlockCheckpointing::none(
+                                                                                  config.num_layers + 2))),
+                          model.loss(zeros)))
+        << name;
+    trainmem::testing::check_model(name, *model.module, m, &opt);
+  }
+  EXPECT_THROW(trainmem::hf_region_model(trainmem::build_hf_model(trainmem::load_hf_config(data("tiny_gpt2.json"))),
+                                         1, 65),
+               c10::Error);
 }
 
 // Checkpointing every block of a LLaMA gives the plain run's gradients and

@@ -68,23 +68,23 @@ TEST(RegionPlannerConvTest, MnistConvnet) {
   RegionModel m;
   m.regions = {
       Region("conv1",
-             [net](const at::Tensor& x) {
+             [net](const at::Tensor& x) mutable {
                return at::relu(F::max_pool2d(net->conv1->forward(x), F::MaxPool2dFuncOptions(2)));
              },
              Modules{net->conv1.ptr()}),
       Region("conv2",
-             [net](const at::Tensor& x) {
+             [net](const at::Tensor& x) mutable {
                return at::relu(F::max_pool2d(net->conv2_drop->forward(net->conv2->forward(x)),
                                              F::MaxPool2dFuncOptions(2)));
              },
              Modules{net->conv2.ptr(), net->conv2_drop.ptr()}),
       Region("fc1",
-             [net](const at::Tensor& x) {
+             [net](const at::Tensor& x) mutable {
                auto h = at::relu(net->fc1->forward(x.view({-1, 320})));
                return F::dropout(h, F::DropoutFuncOptions().p(0.5).training(net->is_training()));
              },
              Modules{net->fc1.ptr()}),
-      Region("fc2", [net](const at::Tensor& x) { return at::log_softmax(net->fc2->forward(x), 1); },
+      Region("fc2", [net](const at::Tensor& x) mutable { return at::log_softmax(net->fc2->forward(x), 1); },
              Modules{net->fc2.ptr()}),
   };
   m.input = [](c10::Device device) { return at::randn({64, 1, 28, 28}, at::TensorOptions().device(device)); };
@@ -154,7 +154,7 @@ TEST(RegionPlannerConvTest, DcganGenerator) {
   };
   RegionModel m;
   m.regions = {up(g->conv1, g->bn1, "up1"), up(g->conv2, g->bn2, "up2"), up(g->conv3, g->bn3, "up3"),
-               Region("out", [g](const at::Tensor& x) { return at::tanh(g->conv4->forward(x)); },
+               Region("out", [g](const at::Tensor& x) mutable { return at::tanh(g->conv4->forward(x)); },
                       Modules{g->conv4.ptr()})};
   m.input = [](c10::Device device) { return at::randn({32, 100, 1, 1}, at::TensorOptions().device(device)); };
   m.loss = [](const at::Tensor& out) { return out.pow(2).mean(); };
@@ -191,11 +191,21 @@ struct BasicBlockImpl : nn::Module {
 };
 TORCH_MODULE(BasicBlock);
 
+// The stem: conv + BatchNorm + ReLU (a Sequential cannot hold a Sequential).
+struct StemImpl : nn::Module {
+  StemImpl()
+      : conv(register_module("conv", nn::Conv2d(nn::Conv2dOptions(3, 16, 3).padding(1).bias(false)))),
+        bn(register_module("bn", nn::BatchNorm2d(16))) {}
+  at::Tensor forward(const at::Tensor& x) { return at::relu(bn->forward(conv->forward(x))); }
+  nn::Conv2d conv;
+  nn::BatchNorm2d bn;
+};
+TORCH_MODULE(Stem);
+
 TEST(RegionPlannerConvTest, ResNetStyleWithBatchNorm) {
   at::manual_seed(1);
   nn::Sequential net(
-      nn::Sequential(nn::Conv2d(nn::Conv2dOptions(3, 16, 3).padding(1).bias(false)), nn::BatchNorm2d(16),
-                     nn::ReLU()),
+      Stem(),
       BasicBlock(16, 16, 1), BasicBlock(16, 16, 1), BasicBlock(16, 32, 2));
   nn::Linear fc(32, 10);
   net->push_back(fc);  // registered beside the others: one module owns all parameters

@@ -128,7 +128,7 @@ TEST(RegionPlannerTest, GptAsRegions) {
   RegionModel m;
   m.regions.emplace_back(
       "embed",
-      [gpt](const at::Tensor& tokens) {
+      [gpt](const at::Tensor& tokens) mutable {
         auto pos = at::arange(tokens.size(1), tokens.options().dtype(at::kLong));
         return gpt->wte->forward(tokens) + gpt->wpe->forward(pos);
       },
@@ -137,7 +137,7 @@ TEST(RegionPlannerTest, GptAsRegions) {
     m.regions.push_back(r);
   }
   m.regions.emplace_back(
-      "head", [gpt](const at::Tensor& h) { return at::linear(gpt->ln_f->forward(h), gpt->wte->weight); },
+      "head", [gpt](const at::Tensor& h) mutable { return at::linear(gpt->ln_f->forward(h), gpt->wte->weight); },
       std::vector<std::shared_ptr<torch::nn::Module>>{gpt->ln_f.ptr(), gpt->wte.ptr()});
   m.input = [](c10::Device device) {
     return at::zeros({8, 32}, at::TensorOptions().dtype(at::kLong).device(device));

@@ -35,6 +35,7 @@
 
 #include "trainmem/gpt.h"
 #include "trainmem/meta.h"
+#include "trainmem/planner.h"
 #include "trainmem/transformer.h"
 
 namespace trainmem {
@@ -200,5 +201,24 @@ struct HfModel {
 /// model.loss(torch::randint(256, {4, 32})).backward();
 /// ```
 HfModel build_hf_model(const HfConfig& config);
+
+/// `model`'s training step as plan_regions() sees it: the embedding (GPT-2:
+/// token + position), one region per block, and the final norm with the LM
+/// head; the input is `batch` x `seq_len` tokens (zeros), the loss is the
+/// causal-LM cross-entropy of HfModel::loss (labels of the same shape, the
+/// last position ignored). A LLaMA block's region makes its own rotary cos
+/// and sin ((T, head_dim) each, which its backward keeps), where
+/// LlamaImpl::forward shares one pair: the plan counts what run_regions()
+/// runs. No optimizer is set (add one, or `make_optimizer`). Throws if
+/// `seq_len` exceeds the model's positions or `batch` < 1.
+///
+/// Example:
+/// ```
+/// auto model = trainmem::build_hf_model(trainmem::load_hf_config("tiny_llama.json"));
+/// auto m = trainmem::hf_region_model(model, 4, 32);
+/// m.make_optimizer = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::AdamW>(p); };
+/// auto plan = trainmem::plan_regions(m, trainmem::PlanOptions().budget_bytes(8 << 20));
+/// ```
+RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len);
 
 } // namespace trainmem

@@ -3,6 +3,7 @@
 #include "model_file.h"
 
 #include <iostream>
+#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -13,6 +14,7 @@
 
 #include "cli.h"
 #include "trainmem/accountant.h"
+#include "trainmem/allocator.h"
 #include "trainmem/hf_model.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
@@ -37,6 +39,31 @@ const std::vector<Recipe> kRecipes = {Recipe::kFp32AdamW,       Recipe::kMixedAd
                                       Recipe::kFp32SGD,         Recipe::kFp32SGDMomentum,
                                       Recipe::kFp32Adafactor};
 
+HfConfig load_config(const std::string& path, int64_t batch, int64_t seq_len) {
+  if (batch < 1 || seq_len < 1) {
+    throw UsageError(fmt::format("expected --batch and --seq-len > 0, but got --batch {} --seq-len {}", batch,
+                                 seq_len));
+  }
+  HfConfig config;
+  try {
+    config = load_hf_config(path);
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+  if (seq_len > config.max_positions) {
+    throw UsageError(fmt::format("expected --seq-len at most {} (the positions of {}), but got {}",
+                                 config.max_positions, path, seq_len));
+  }
+  return config;
+}
+
+std::string describe(const HfConfig& config, const std::string& path) {
+  return fmt::format("{} from {}: {} layers, hidden {}, {} heads ({} key-value), MLP {}, vocab {}{}",
+                     to_string(config.architecture), path, config.num_layers, config.hidden_size, config.num_heads,
+                     config.num_kv_heads, config.intermediate_size, config.vocab_size,
+                     config.tie_word_embeddings ? ", tied head" : "");
+}
+
 } // namespace
 
 void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json) {
@@ -46,20 +73,7 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
   if (f.zero < 0 || f.zero > 3) {
     throw UsageError("expected --zero 0, 1, 2 or 3, but got " + std::to_string(f.zero));
   }
-  if (batch < 1 || seq_len < 1) {
-    throw UsageError(fmt::format("expected --batch and --seq-len > 0, but got --batch {} --seq-len {}", batch,
-                                 seq_len));
-  }
-  HfConfig config;
-  try {
-    config = load_hf_config(f.path);
-  } catch (const c10::Error& e) {
-    throw UsageError(e.what_without_backtrace());
-  }
-  if (seq_len > config.max_positions) {
-    throw UsageError(fmt::format("expected --seq-len at most {} (the positions of {}), but got {}",
-                                 config.max_positions, f.path, seq_len));
-  }
+  const HfConfig config = load_config(f.path, batch, seq_len);
   HfModel model;
   {
     MetaInitGuard meta;  // nothing allocated, whatever the size
@@ -121,12 +135,8 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
     std::cout << j.dump(2) << "\n";
     return;
   }
-  std::string out = fmt::format(
-      "trainmem estimate: {} from {}: {} layers, hidden {}, {} heads ({} key-value), MLP {}, vocab {}{} "
-      "(built on meta, nothing is run)\n",
-      to_string(config.architecture), f.path, config.num_layers, config.hidden_size, config.num_heads,
-      config.num_kv_heads, config.intermediate_size, config.vocab_size,
-      config.tie_word_embeddings ? ", tied head" : "");
+  std::string out =
+      fmt::format("trainmem estimate: {} (built on meta, nothing is run)\n", describe(config, f.path));
   out += fmt::format("parameters {:>24}\n", with_commas(num_params));
   out += fmt::format("static bytes by recipe, ZeRO-{} over {} rank{} (per rank: device, host):\n", f.zero,
                      f.ranks, f.ranks == 1 ? "" : "s");
@@ -146,6 +156,75 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                      with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
                      with_commas(peak.optimizer_peak_bytes));
   std::cout << out;
+}
+
+void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
+                    bool run, bool json) {
+  const HfConfig config = load_config(path, batch, seq_len);
+  if (run) {
+    CpuMemoryTracker::install();  // before the model: every CPU byte of the run is counted
+  }
+  // Planned on meta whatever the size; built on CPU (initialized) only to run it.
+  HfModel model;
+  if (run) {
+    torch::manual_seed(0);
+    model = build_hf_model(config);
+  } else {
+    MetaInitGuard meta;
+    model = build_hf_model(config);
+  }
+  auto m = hf_region_model(model, batch, seq_len);
+  torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
+  m.optimizer = &opt;
+  const auto plan = plan_regions(m, PlanOptions().budget_bytes(budget).selective(selective));
+  std::optional<StepPeak> measured;
+  if (plan.feasible && run) {
+    const auto tokens = m.input(at::kCPU);
+    const auto checkpointing = plan.checkpointing();
+    auto step = [&] { return m.loss(run_regions(m.regions, tokens, checkpointing)); };
+    (void)measure_step_peak(*model.module, step, &opt);  // warm-up: AdamW's state exists from here on
+    measured = measure_step_peak(*model.module, step, &opt);
+  }
+  if (json) {
+    nlohmann::ordered_json j;
+    j["schema"] = "trainmem/1";
+    j["kind"] = "plan_model";
+    j["model"] = {{"file", path}, {"architecture", to_string(config.architecture)}, {"num_layers", config.num_layers}};
+    j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
+    j["plan"] = {{"name", plan.name},
+                 {"feasible", plan.feasible},
+                 {"budget_bytes", plan.budget_bytes},
+                 {"predicted_peak_bytes", plan.predicted_peak_bytes},
+                 {"activation_bytes", plan.activation_bytes},
+                 {"min_peak_bytes", plan.min_peak_bytes},
+                 {"recompute_cost", plan.recompute_cost},
+                 {"forward_cost", plan.forward_cost},
+                 {"num_profiles", plan.num_profiles}};
+    if (measured) {
+      j["measured"] = {{"peak_bytes", measured->peak_bytes},
+                       {"peak_phase", to_string(measured->phase)},
+                       {"activation_bytes", measured->activation_bytes}};
+    }
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, fp32, AdamW ({})\n\n", describe(config, path),
+                             batch, seq_len, run ? "planned on meta, run on CPU" : "planned on meta, not run");
+    std::cout << to_string(plan);
+    if (measured) {
+      const double err = static_cast<double>(measured->peak_bytes - plan.predicted_peak_bytes) /
+                         static_cast<double>(plan.predicted_peak_bytes);
+      std::cout << fmt::format("\nran it on CPU (one AdamW step after a warm-up step)\n"
+                               "  step peak: predicted {} B, measured {} B ({:+.2f} %); {}\n"
+                               "  saved for backward: predicted {} B, measured {} B\n",
+                               with_commas(plan.predicted_peak_bytes), with_commas(measured->peak_bytes), 100 * err,
+                               measured->peak_bytes <= budget ? "within the budget" : "OVER the budget",
+                               with_commas(plan.activation_bytes), with_commas(measured->activation_bytes));
+    }
+  }
+  if (!plan.feasible) {
+    throw CheckFailed(fmt::format("no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}')",
+                                  with_commas(budget), with_commas(plan.min_peak_bytes), plan.name));
+  }
 }
 
 } // namespace trainmem::cli

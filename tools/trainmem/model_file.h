@@ -24,4 +24,14 @@ void add_model_file_flags(CLI::App& sub, ModelFileFlags& flags);
 /// UsageError (exit 2) naming the key and value of a bad config or flag.
 void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_len, bool json);
 
+/// `trainmem plan --model FILE --budget B`: the model's checkpoint plan for a
+/// fp32 AdamW step of a (batch, seq_len) micro-batch, planned on meta
+/// (plan_regions() on hf_region_model()). With `run`, the model is also
+/// built on CPU and one step run under the plan, measured beside the
+/// prediction (a small config only: it needs the memory it plans for).
+/// Throws UsageError (exit 2) for a bad config or flag, CheckFailed (exit 3)
+/// when no plan fits.
+void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
+                    bool run, bool json);
+
 } // namespace trainmem::cli

@@ -15,6 +15,7 @@
 #include <torch/optim/adamw.h>
 
 #include "cli.h"
+#include "model_file.h"
 #include "trainmem/allocator.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
@@ -33,6 +34,8 @@ struct PlanFlags {
   std::string cost = "flops";
   std::string device = "cpu";             // cuda: plan against the predicted CUDA peak
   std::string budget_kind = "allocated";  // with cuda: allocated or reserved
+  std::string model_file;                 // --model: a config.json (model_file.cpp)
+  bool run_model = false;                 // --run: with --model, run the plan on CPU
 };
 
 std::string commas(int64_t v) {
@@ -156,6 +159,16 @@ void run(const PlanFlags& f) {
   if (budget <= 0) {
     throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
   }
+  if (!f.model_file.empty()) {
+    if (f.device != "cpu" || f.cost != "flops") {
+      throw UsageError("--model plans a CPU/meta step with FLOP costs: drop --device and --cost");
+    }
+    run_plan_model(f.model_file, budget, f.model.batch, f.model.seq_len, !f.no_selective, f.run_model, f.json);
+    return;
+  }
+  if (f.run_model) {
+    throw UsageError("--run goes with --model (the bundled model's plan runs unless --no-run)");
+  }
   CpuMemoryTracker::install();  // first: every CPU byte of the run is counted
   const auto o = TransformerOptions()
                      .num_layers(f.model.layers)
@@ -255,6 +268,10 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--budget-kind", f->budget_kind, "with --device cuda: allocated or reserved")
       ->check(CLI::IsMember({"allocated", "reserved"}))
       ->capture_default_str();
+  sub->add_option("--model", f->model_file,
+                  "a Hugging Face style config.json (gpt2 or llama): plan that model on meta instead "
+                  "(--batch and --seq-len give its micro-batch)");
+  sub->add_flag("--run", f->run_model, "with --model: also build it on CPU and run one step under the plan");
   sub->callback([f] { run(*f); });
 }
 
