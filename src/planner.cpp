@@ -314,6 +314,13 @@ int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
+// Whether autograd (a saved tensor, or a checkpoint's kept input) holds `t`
+// besides the caller's one reference: the tensor itself (a leaf or an input)
+// or its storage (an output, saved as tensor_data()).
+bool kept_by_autograd(const at::Tensor& t) {
+  return t.use_count() > 1 || t.storage().use_count() > 1;
+}
+
 // Counts each parameter's gradient once, when AccumulateGrad has written it.
 class GradWatch {
  public:
@@ -1047,11 +1054,15 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   }
   const int64_t after_forward = counter.live();
   prof.choice.stored_bytes = after_forward - base - storage_bytes(loss);
+  // The input, made here, is still held by `x`: it counts only where autograd
+  // or the checkpoint keeps it (as the meter counts it); else the run frees it.
+  if (!run.input_is_static && !kept_by_autograd(x)) {
+    prof.choice.stored_bytes -= storage_bytes(x);
+  }
   if (run.input_is_static) {
     // Counted as the meter counts it (the input included when saved, as a
     // kept tensor or through a view): autograd or the checkpoint holds it.
-    const bool saved = x.use_count() > 1 || x.storage().use_count() > 1;
-    prof.static_input_bytes = saved ? storage_bytes(x) : 0;
+    prof.static_input_bytes = kept_by_autograd(x) ? storage_bytes(x) : 0;
     prof.choice.stored_bytes += prof.static_input_bytes;
     prof.choice.forward_peak_bytes += storage_bytes(x);
   }
@@ -1090,6 +1101,9 @@ HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& los
   h.forward_peak_bytes = counter.peak() - base;
   const int64_t after = counter.live();
   h.stored_bytes = after - base - storage_bytes(loss);
+  if (!kept_by_autograd(y)) {  // the last output, held here: freed in a real step unless the loss saves it
+    h.stored_bytes -= storage_bytes(y);
+  }
   counter.reset_peak();
   loss.backward();
   h.backward_transient_bytes = counter.peak() - after;
