@@ -754,9 +754,15 @@ namespace {
 // What one profiling run of a block saw (see Note [Checkpoint planner]).
 struct BlockProfile {
   BlockChoice choice;
-  // Of choice.stored_bytes, the step's input saved by region 0 (it is in the
-  // step's static bytes already).
-  int64_t static_input_bytes = 0;
+  // The run's boundary tensors (Note [Boundary storages]): its input's and
+  // its output's storage bytes, whether autograd (or the checkpoint) keeps
+  // each, and whether the output shares the input's storage (a view region).
+  // choice.stored_bytes counts each kept one once.
+  int64_t in_bytes = 0;
+  bool in_kept = false;
+  int64_t out_bytes = 0;
+  bool out_kept = false;
+  bool out_aliases_in = false;
   double forward_cost = 0;
   // Op calls of the forward, in order: (call, cost, cacheable).
   std::vector<std::tuple<std::string, double, bool>> calls;
@@ -1049,22 +1055,35 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     }
     prof.choice.forward_peak_bytes = counter.peak() - base;
     if (y.requires_grad()) {  // else: no backward reaches it (no parameters up to here)
-      loss = (y * 2.0).sum();
+      loss = (y * 2.0).sum();  // mul by a scalar and sum save nothing of y
+    }
+    // Whether autograd keeps the output's storage, while `y` (one tensor,
+    // one storage reference) is still held here; a view of the input shares
+    // the input's storage and is decided with it below.
+    prof.out_bytes = storage_bytes(y);
+    prof.out_aliases_in = x.has_storage() && y.has_storage() &&
+        y.storage().unsafeGetStorageImpl() == x.storage().unsafeGetStorageImpl();
+    if (!prof.out_aliases_in) {
+      prof.out_kept = y.has_storage() && kept_by_autograd(y);
     }
   }
   const int64_t after_forward = counter.live();
+  prof.in_bytes = storage_bytes(x);
+  prof.in_kept = kept_by_autograd(x);  // `y` is gone: only autograd can hold it now
+  if (prof.out_aliases_in) {
+    prof.out_kept = prof.in_kept;
+  }
   prof.choice.stored_bytes = after_forward - base - storage_bytes(loss);
   // The input, made here, is still held by `x`: it counts only where autograd
   // or the checkpoint keeps it (as the meter counts it); else the run frees it.
-  if (!run.input_is_static && !kept_by_autograd(x)) {
-    prof.choice.stored_bytes -= storage_bytes(x);
+  if (!run.input_is_static && !prof.in_kept) {
+    prof.choice.stored_bytes -= prof.in_bytes;
   }
   if (run.input_is_static) {
-    // Counted as the meter counts it (the input included when saved, as a
-    // kept tensor or through a view): autograd or the checkpoint holds it.
-    prof.static_input_bytes = kept_by_autograd(x) ? storage_bytes(x) : 0;
-    prof.choice.stored_bytes += prof.static_input_bytes;
-    prof.choice.forward_peak_bytes += storage_bytes(x);
+    // Made before `base` (it is in the step's static bytes): counted here as
+    // the meter counts it, when autograd or the checkpoint holds it.
+    prof.choice.stored_bytes += prof.in_kept ? prof.in_bytes : 0;
+    prof.choice.forward_peak_bytes += prof.in_bytes;
   }
   counter.reset_peak();
   if (loss.defined()) {
@@ -1085,6 +1104,8 @@ struct HeadProfile {
   int64_t forward_peak_bytes = 0; // with its input
   int64_t stored_bytes = 0;       // what the loss saves (its input, for pow)
   int64_t backward_transient_bytes = 0;
+  int64_t in_bytes = 0;           // the last region's output
+  bool in_kept = false;           // the loss saves it (pow, nll_loss; not log_softmax + nll)
 };
 
 HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& loss_fn,
@@ -1101,8 +1122,10 @@ HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& los
   h.forward_peak_bytes = counter.peak() - base;
   const int64_t after = counter.live();
   h.stored_bytes = after - base - storage_bytes(loss);
-  if (!kept_by_autograd(y)) {  // the last output, held here: freed in a real step unless the loss saves it
-    h.stored_bytes -= storage_bytes(y);
+  h.in_bytes = storage_bytes(y);
+  h.in_kept = kept_by_autograd(y);
+  if (!h.in_kept) {  // the last output, held here: freed in a real step unless the loss saves it
+    h.stored_bytes -= h.in_bytes;
   }
   counter.reset_peak();
   loss.backward();
@@ -1144,6 +1167,11 @@ struct DpState {
   int64_t parent = -1;
   int option = -1;
   int64_t region = 1; // blocks the last choice covers
+  // The storage of the tensor at this boundary is in `stored` already (an
+  // earlier region's output that it saved itself, a view's base) or in the
+  // static bytes (the step's input): a region that keeps it adds nothing
+  // for it (Note [Boundary storages]).
+  bool counted = true;
 };
 
 // Raises a state's peak to `bytes`, and its phase to `at`, when `bytes` is higher.
@@ -1158,7 +1186,7 @@ void raise_peak(DpState& state, int64_t bytes, StepPhase at) {
 // cost and peak. Sorted by stored, a state is dominated exactly when an
 // earlier one has cost and peak no higher; the kept (cost, peak) pairs form a
 // staircase (peak falling as cost rises), so that is one lookup: O(n log n).
-std::vector<DpState> prune_states(std::vector<DpState> next) {
+std::vector<DpState> prune_states_of(std::vector<DpState> next) {
   std::sort(next.begin(), next.end(), [](const DpState& a, const DpState& b) {
     return std::tie(a.stored, a.cost, a.peak) < std::tie(b.stored, b.cost, b.peak);
   });
@@ -1175,6 +1203,21 @@ std::vector<DpState> prune_states(std::vector<DpState> next) {
     while (next_it != stairs.end() && next_it->second >= n.peak) {
       next_it = stairs.erase(next_it);
     }
+  }
+  return kept;
+}
+
+// Pareto pruning within each value of `counted`: a state whose boundary
+// storage is counted already and one where it is not differ in what the next
+// region adds, so neither dominates the other by (stored, cost, peak) alone.
+std::vector<DpState> prune_states(std::vector<DpState> next) {
+  std::vector<DpState> yes, no;
+  for (auto& n : next) {
+    (n.counted ? yes : no).push_back(std::move(n));
+  }
+  auto kept = prune_states_of(std::move(yes));
+  for (auto& n : prune_states_of(std::move(no))) {
+    kept.push_back(std::move(n));
   }
   return kept;
 }
@@ -1400,6 +1443,21 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
 // ranked by recompute saved per byte, and the ranking's prefixes are profiled
 // as sets, so interactions (Note [In-place ops on cached outputs]'s copies)
 // are measured, not assumed.
+// Note [Boundary storages]
+// The meter counts each saved storage once over the whole step. Profiled
+// alone, each region counts the tensors at its two boundaries as it sees
+// them: its input when it (or the checkpoint) keeps it (a Linear's or a
+// conv's input), its output when it keeps that itself (relu, sigmoid, tanh,
+// log_softmax save their result). In the step they are one storage: region
+// i's output is region i + 1's input, and a view region (flatten, reshape)
+// passes its input's storage on. Counting both would count a storage twice
+// (MNIST's relu -> conv2 and relu -> view -> fc1, log_softmax -> nll_loss:
+// 453,120 B too many). So the DP carries, per state, whether the storage at
+// its boundary is counted already (an earlier region kept it, or it is the
+// step's input, in the static bytes); a region that keeps its input then
+// adds nothing for it, and its forward peak, which includes its input, does
+// not count it again. The same holds for the loss head. Only boundaries can
+// be shared this way: a region's other tensors are its own.
 CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options) {
   TORCH_CHECK(options.budget_bytes() >= 0,
               "plan_regions: expected budget_bytes >= 0, but got ", options.budget_bytes());
@@ -1676,11 +1734,14 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
         const auto& st = layers[i][s];
         for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
-          const auto& ch = c[opt]->choice;
-          // Region 0's input is the step's input, already in Z.
-          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes - c[opt]->static_input_bytes;
+          const auto& prof = *c[opt];
+          const auto& ch = prof.choice;
+          // Region 0's input is the step's input, already in Z; a later
+          // region's input may be in st.stored already (Note [Boundary storages]).
+          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes -
+              (st.counted && prof.in_kept ? prof.in_bytes : 0);
           const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
-              (i == 0 ? input_bytes : 0);
+              (st.counted ? prof.in_bytes : 0);
           const int64_t bwd = Z + st.stored + stored + grads_after[i + k] + ch.backward_transient_bytes;
           DpState n;
           n.stored = st.stored + stored;
@@ -1692,6 +1753,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
           n.parent = s;
           n.option = opt;
           n.region = k;
+          n.counted = prof.out_aliases_in ? (st.counted || prof.in_kept) : prof.out_kept;
           incoming[i + k].push_back(n);
         }
       }
@@ -1703,8 +1765,10 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   // Final phases: the loss head and the optimizer step.
   std::vector<DpState> finals = layers[L];
   for (auto& f : finals) {
-    raise_peak(f, Z + f.stored + head.forward_peak_bytes, StepPhase::kForward);
-    raise_peak(f, Z + f.stored + head.stored_bytes + head.backward_transient_bytes, StepPhase::kBackward);
+    const int64_t in_counted = f.counted ? head.in_bytes : 0;
+    const int64_t head_stored = head.stored_bytes - (head.in_kept ? in_counted : 0);
+    raise_peak(f, Z + f.stored + head.forward_peak_bytes - in_counted, StepPhase::kForward);
+    raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes, StepPhase::kBackward);
     if (has_optimizer) {
       raise_peak(f, Z + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
     }
@@ -1744,10 +1808,12 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   plan.num_profiles = num_profiles;
   plan.blocks.resize(L);
   int64_t s = chosen;
+  std::vector<const BlockProfile*> chosen_profiles(L, nullptr);
   for (int64_t i = L; i >= 1;) {
     const auto& st = i == L ? end : layers[i][s];
     const int64_t start = i - st.region;
-    plan.blocks[start] = choices(start, st.region)[st.option]->choice;
+    chosen_profiles[start] = choices(start, st.region)[st.option];
+    plan.blocks[start] = chosen_profiles[start]->choice;
     for (int64_t j = start + 1; j < i; ++j) {  // inside the segment: nothing of their own
       plan.blocks[j] = BlockChoice{};
       plan.blocks[j].mode = BlockMode::kCheckpoint;
@@ -1756,10 +1822,22 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     s = st.parent;
     i = start;
   }
-  plan.activation_bytes = head.stored_bytes;
-  for (const auto& b : plan.blocks) {
+  // What the meter counts: each kept storage once, the step's input
+  // included when saved. A block's stored_bytes leaves out a boundary
+  // storage the block before it counted (Note [Boundary storages]).
+  plan.activation_bytes = 0;
+  bool counted = false;
+  for (int64_t i = 0; i < L; ++i) {
+    const auto* prof = chosen_profiles[i];
+    if (prof == nullptr) {
+      continue;  // inside a segment
+    }
+    auto& b = plan.blocks[i];
+    b.stored_bytes -= counted && prof->in_kept ? prof->in_bytes : 0;
     plan.activation_bytes += b.stored_bytes;
+    counted = prof->out_aliases_in ? (counted || prof->in_kept) : prof->out_kept;
   }
+  plan.activation_bytes += head.stored_bytes - (counted && head.in_kept ? head.in_bytes : 0);
   for (const auto& r : regions) {
     plan.region_names.push_back(r.name());
   }
