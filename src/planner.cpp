@@ -316,9 +316,14 @@ int64_t storage_bytes(const at::Tensor& t) {
 
 // Whether autograd (a saved tensor, or a checkpoint's kept input) holds `t`
 // besides the caller's one reference: the tensor itself (a leaf or an input)
-// or its storage (an output, saved as tensor_data()).
+// or its storage (an output, saved as tensor_data()). A leaf that requires
+// grad is also held by its AccumulateGrad node, which keeps it for its
+// gradient, not for backward's use: the meter does not count that (the
+// loss head's input, GPT's logits, is such a leaf and is not saved).
 bool kept_by_autograd(const at::Tensor& t) {
-  return t.use_count() > 1 || t.storage().use_count() > 1;
+  const bool accumulator = t.is_leaf() && t.requires_grad() &&
+      torch::autograd::impl::try_get_grad_accumulator(t) != nullptr;
+  return t.use_count() > (accumulator ? 2 : 1) || t.storage().use_count() > 1;
 }
 
 // Counts each parameter's gradient once, when AccumulateGrad has written it.
@@ -840,7 +845,12 @@ std::string missing_op(const std::string& what) {
     a += quoted.size();
     return what.substr(a, what.find('\'', a) - a);
   }
-  const std::string first = what.substr(0, what.find_first_of(" \n:."));
+  // "aten::_cdist_forward: attempted to run this operator with Meta
+  // tensors" (2.13), or "convolution_overrideable not implemented".
+  std::string first = what.substr(0, what.find_first_of(" \n"));
+  while (!first.empty() && (first.back() == ':' || first.back() == '.')) {
+    first.pop_back();
+  }
   return first.find("::") == std::string::npos ? "aten::" + first : first;
 }
 
@@ -1045,13 +1055,24 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     x.requires_grad_(true);
   }
   at::Tensor loss;
+  // What the step's meter will count for this run: its own parameters and
+  // buffers excluded, as SavedTensorMeter(module) excludes the model's.
+  SavedTensorMeter meter;
+  for (int64_t j = run.first; j < run.first + run.count; ++j) {
+    for (const auto& m : (*run.regions)[j].modules()) {
+      meter.exclude(*m);
+    }
+  }
   {
     at::Tensor y;
-    if (mode == BlockMode::kStore) {
-      y = body(x);
-    } else {
-      auto opts = CheckpointOptions().context_fn(create_selective_checkpoint_contexts(counting));
-      y = checkpoint(body, x, opts);
+    {
+      SavedTensorMeterGuard metered(meter);
+      if (mode == BlockMode::kStore) {
+        y = body(x);
+      } else {
+        auto opts = CheckpointOptions().context_fn(create_selective_checkpoint_contexts(counting));
+        y = checkpoint(body, x, opts);
+      }
     }
     prof.choice.forward_peak_bytes = counter.peak() - base;
     if (y.requires_grad()) {  // else: no backward reaches it (no parameters up to here)
@@ -1073,16 +1094,15 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   if (prof.out_aliases_in) {
     prof.out_kept = prof.in_kept;
   }
-  prof.choice.stored_bytes = after_forward - base - storage_bytes(loss);
-  // The input, made here, is still held by `x`: it counts only where autograd
-  // or the checkpoint keeps it (as the meter counts it); else the run frees it.
-  if (!run.input_is_static && !prof.in_kept) {
-    prof.choice.stored_bytes -= prof.in_bytes;
-  }
+  // The bytes kept are the meter's count, not the live bytes above `base`:
+  // the two agree (the input counted where autograd or the checkpoint keeps
+  // it, the output where the run saves it itself) except where a meta kernel
+  // sizes its output without the allocator (arange on meta resizes its
+  // storage in place: GPT's 256 B of positions are saved, yet never seen by
+  // the counting allocator).
+  prof.choice.stored_bytes = meter.report().saved_bytes;
   if (run.input_is_static) {
-    // Made before `base` (it is in the step's static bytes): counted here as
-    // the meter counts it, when autograd or the checkpoint holds it.
-    prof.choice.stored_bytes += prof.in_kept ? prof.in_bytes : 0;
+    // Made before `base` (it is in the step's static bytes).
     prof.choice.forward_peak_bytes += prof.in_bytes;
   }
   counter.reset_peak();
@@ -1095,6 +1115,11 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   reset_grads(params);
   prof.choice.recompute_cost = mode == BlockMode::kStore ? 0.0 : *recompute_cost;
   prof.choice.rng_state_bytes = mode == BlockMode::kStore ? 0 : cpu_rng_state_bytes();
+  if (run.cpu) {
+    // Profiled on CPU, the tracker saw the checkpoint's RNG stash in the
+    // forward peak; the DP adds it on its own (the meter never sees it).
+    prof.choice.forward_peak_bytes -= prof.choice.rng_state_bytes;
+  }
   prof.forward_cost = *forward_cost;
   prof.calls = *calls;
   return prof;
@@ -1115,18 +1140,20 @@ HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& los
   const int64_t base = counter.live();
   counter.reset_peak();
   auto y = make_tensor(output, cpu ? c10::Device(at::kCPU) : c10::Device(at::kMeta)).requires_grad_(true);
-  auto loss = loss_fn(y);
+  SavedTensorMeter meter;  // what the step's meter counts for the loss (see profile_run)
+  at::Tensor loss;
+  {
+    SavedTensorMeterGuard metered(meter);
+    loss = loss_fn(y);
+  }
   TORCH_CHECK(loss.defined() && loss.numel() == 1,
               "plan_regions: the loss must be a scalar, but got a tensor of shape ",
               loss.defined() ? loss.sizes() : at::IntArrayRef{});
   h.forward_peak_bytes = counter.peak() - base;
   const int64_t after = counter.live();
-  h.stored_bytes = after - base - storage_bytes(loss);
+  h.stored_bytes = meter.report().saved_bytes;  // the last output included where the loss saves it
   h.in_bytes = storage_bytes(y);
   h.in_kept = kept_by_autograd(y);
-  if (!h.in_kept) {  // the last output, held here: freed in a real step unless the loss saves it
-    h.stored_bytes -= h.in_bytes;
-  }
   counter.reset_peak();
   loss.backward();
   h.backward_transient_bytes = counter.peak() - after;

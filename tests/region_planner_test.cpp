@@ -164,7 +164,9 @@ TEST(RegionPlannerTest, GptAsRegions) {
 TEST(RegionPlannerTest, RegionWithoutMetaKernelIsProfiledOnCpu) {
   torch::manual_seed(0);
   torch::nn::Linear in(32, 32), out(16, 32);
-  auto centers = torch::nn::Linear(32, 16);  // its weight: 16 centers of 32
+  // Its weight: 16 centers of 32 (no bias: the region does not use one, and
+  // an unused parameter has no gradient to compare).
+  auto centers = torch::nn::Linear(torch::nn::LinearOptions(32, 16).bias(false));
   torch::nn::Sequential holder(in, centers, out);
   torch::optim::SGD opt(holder->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   RegionModel m;
