@@ -316,9 +316,14 @@ int64_t storage_bytes(const at::Tensor& t) {
 
 // Whether autograd (a saved tensor, or a checkpoint's kept input) holds `t`
 // besides the caller's one reference: the tensor itself (a leaf or an input)
-// or its storage (an output, saved as tensor_data()).
+// or its storage (an output, saved as tensor_data()). A leaf that requires
+// grad is also held by its AccumulateGrad node, which keeps it for its
+// gradient, not for backward's use: the meter does not count that (the
+// loss head's input, GPT's logits, is such a leaf and is not saved).
 bool kept_by_autograd(const at::Tensor& t) {
-  return t.use_count() > 1 || t.storage().use_count() > 1;
+  const bool accumulator = t.is_leaf() && t.requires_grad() &&
+      torch::autograd::impl::try_get_grad_accumulator(t) != nullptr;
+  return t.use_count() > (accumulator ? 2 : 1) || t.storage().use_count() > 1;
 }
 
 // Counts each parameter's gradient once, when AccumulateGrad has written it.
@@ -755,9 +760,15 @@ namespace {
 // What one profiling run of a block saw (see Note [Checkpoint planner]).
 struct BlockProfile {
   BlockChoice choice;
-  // Of choice.stored_bytes, the step's input saved by region 0 (it is in the
-  // step's static bytes already).
-  int64_t static_input_bytes = 0;
+  // The run's boundary tensors (Note [Boundary storages]): its input's and
+  // its output's storage bytes, whether autograd (or the checkpoint) keeps
+  // each, and whether the output shares the input's storage (a view region).
+  // choice.stored_bytes counts each kept one once.
+  int64_t in_bytes = 0;
+  bool in_kept = false;
+  int64_t out_bytes = 0;
+  bool out_kept = false;
+  bool out_aliases_in = false;
   double forward_cost = 0;
   // Op calls of the forward, in order: (call, cost, cacheable).
   std::vector<std::tuple<std::string, double, bool>> calls;
@@ -835,7 +846,12 @@ std::string missing_op(const std::string& what) {
     a += quoted.size();
     return what.substr(a, what.find('\'', a) - a);
   }
-  const std::string first = what.substr(0, what.find_first_of(" \n:."));
+  // "aten::_cdist_forward: attempted to run this operator with Meta
+  // tensors" (2.13), or "convolution_overrideable not implemented".
+  std::string first = what.substr(0, what.find_first_of(" \n"));
+  while (!first.empty() && (first.back() == ':' || first.back() == '.')) {
+    first.pop_back();
+  }
   return first.find("::") == std::string::npos ? "aten::" + first : first;
 }
 
@@ -1040,32 +1056,55 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     x.requires_grad_(true);
   }
   at::Tensor loss;
+  // What the step's meter will count for this run: its own parameters and
+  // buffers excluded, as SavedTensorMeter(module) excludes the model's.
+  SavedTensorMeter meter;
+  for (int64_t j = run.first; j < run.first + run.count; ++j) {
+    for (const auto& m : (*run.regions)[j].modules()) {
+      meter.exclude(*m);
+    }
+  }
   {
     at::Tensor y;
-    if (mode == BlockMode::kStore) {
-      y = body(x);
-    } else {
-      auto opts = CheckpointOptions().context_fn(create_selective_checkpoint_contexts(counting));
-      y = checkpoint(body, x, opts);
+    {
+      SavedTensorMeterGuard metered(meter);
+      if (mode == BlockMode::kStore) {
+        y = body(x);
+      } else {
+        auto opts = CheckpointOptions().context_fn(create_selective_checkpoint_contexts(counting));
+        y = checkpoint(body, x, opts);
+      }
     }
     prof.choice.forward_peak_bytes = counter.peak() - base;
     if (y.requires_grad()) {  // else: no backward reaches it (no parameters up to here)
-      loss = (y * 2.0).sum();
+      loss = (y * 2.0).sum();  // mul by a scalar and sum save nothing of y
+    }
+    // Whether autograd keeps the output's storage, while `y` (one tensor,
+    // one storage reference) is still held here; a view of the input shares
+    // the input's storage and is decided with it below.
+    prof.out_bytes = storage_bytes(y);
+    prof.out_aliases_in = x.has_storage() && y.has_storage() &&
+        y.storage().unsafeGetStorageImpl() == x.storage().unsafeGetStorageImpl();
+    if (!prof.out_aliases_in) {
+      prof.out_kept = y.has_storage() && kept_by_autograd(y);
     }
   }
   const int64_t after_forward = counter.live();
-  prof.choice.stored_bytes = after_forward - base - storage_bytes(loss);
-  // The input, made here, is still held by `x`: it counts only where autograd
-  // or the checkpoint keeps it (as the meter counts it); else the run frees it.
-  if (!run.input_is_static && !kept_by_autograd(x)) {
-    prof.choice.stored_bytes -= storage_bytes(x);
+  prof.in_bytes = storage_bytes(x);
+  prof.in_kept = kept_by_autograd(x);  // `y` is gone: only autograd can hold it now
+  if (prof.out_aliases_in) {
+    prof.out_kept = prof.in_kept;
   }
+  // The bytes kept are the meter's count, not the live bytes above `base`:
+  // the two agree (the input counted where autograd or the checkpoint keeps
+  // it, the output where the run saves it itself) except where a meta kernel
+  // sizes its output without the allocator (arange on meta resizes its
+  // storage in place: GPT's 256 B of positions are saved, yet never seen by
+  // the counting allocator).
+  prof.choice.stored_bytes = meter.report().saved_bytes;
   if (run.input_is_static) {
-    // Counted as the meter counts it (the input included when saved, as a
-    // kept tensor or through a view): autograd or the checkpoint holds it.
-    prof.static_input_bytes = kept_by_autograd(x) ? storage_bytes(x) : 0;
-    prof.choice.stored_bytes += prof.static_input_bytes;
-    prof.choice.forward_peak_bytes += storage_bytes(x);
+    // Made before `base` (it is in the step's static bytes).
+    prof.choice.forward_peak_bytes += prof.in_bytes;
   }
   counter.reset_peak();
   if (loss.defined()) {
@@ -1077,6 +1116,11 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   reset_grads(params);
   prof.choice.recompute_cost = mode == BlockMode::kStore ? 0.0 : *recompute_cost;
   prof.choice.rng_state_bytes = mode == BlockMode::kStore ? 0 : cpu_rng_state_bytes();
+  if (run.cpu) {
+    // Profiled on CPU, the tracker saw the checkpoint's RNG stash in the
+    // forward peak; the DP adds it on its own (the meter never sees it).
+    prof.choice.forward_peak_bytes -= prof.choice.rng_state_bytes;
+  }
   prof.forward_cost = *forward_cost;
   prof.calls = *calls;
   return prof;
@@ -1086,6 +1130,8 @@ struct HeadProfile {
   int64_t forward_peak_bytes = 0; // with its input
   int64_t stored_bytes = 0;       // what the loss saves (its input, for pow)
   int64_t backward_transient_bytes = 0;
+  int64_t in_bytes = 0;           // the last region's output
+  bool in_kept = false;           // the loss saves it (pow, nll_loss; not log_softmax + nll)
 };
 
 HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& loss_fn,
@@ -1095,16 +1141,20 @@ HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& los
   const int64_t base = counter.live();
   counter.reset_peak();
   auto y = make_tensor(output, cpu ? c10::Device(at::kCPU) : c10::Device(at::kMeta)).requires_grad_(true);
-  auto loss = loss_fn(y);
+  SavedTensorMeter meter;  // what the step's meter counts for the loss (see profile_run)
+  at::Tensor loss;
+  {
+    SavedTensorMeterGuard metered(meter);
+    loss = loss_fn(y);
+  }
   TORCH_CHECK(loss.defined() && loss.numel() == 1,
               "plan_regions: the loss must be a scalar, but got a tensor of shape ",
               loss.defined() ? loss.sizes() : at::IntArrayRef{});
   h.forward_peak_bytes = counter.peak() - base;
   const int64_t after = counter.live();
-  h.stored_bytes = after - base - storage_bytes(loss);
-  if (!kept_by_autograd(y)) {  // the last output, held here: freed in a real step unless the loss saves it
-    h.stored_bytes -= storage_bytes(y);
-  }
+  h.stored_bytes = meter.report().saved_bytes;  // the last output included where the loss saves it
+  h.in_bytes = storage_bytes(y);
+  h.in_kept = kept_by_autograd(y);
   counter.reset_peak();
   loss.backward();
   h.backward_transient_bytes = counter.peak() - after;
@@ -1145,6 +1195,11 @@ struct DpState {
   int64_t parent = -1;
   int option = -1;
   int64_t region = 1; // blocks the last choice covers
+  // The storage of the tensor at this boundary is in `stored` already (an
+  // earlier region's output that it saved itself, a view's base) or in the
+  // static bytes (the step's input): a region that keeps it adds nothing
+  // for it (Note [Boundary storages]).
+  bool counted = true;
 };
 
 // Raises a state's peak to `bytes`, and its phase to `at`, when `bytes` is higher.
@@ -1159,7 +1214,7 @@ void raise_peak(DpState& state, int64_t bytes, StepPhase at) {
 // cost and peak. Sorted by stored, a state is dominated exactly when an
 // earlier one has cost and peak no higher; the kept (cost, peak) pairs form a
 // staircase (peak falling as cost rises), so that is one lookup: O(n log n).
-std::vector<DpState> prune_states(std::vector<DpState> next) {
+std::vector<DpState> prune_states_of(std::vector<DpState> next) {
   std::sort(next.begin(), next.end(), [](const DpState& a, const DpState& b) {
     return std::tie(a.stored, a.cost, a.peak) < std::tie(b.stored, b.cost, b.peak);
   });
@@ -1176,6 +1231,21 @@ std::vector<DpState> prune_states(std::vector<DpState> next) {
     while (next_it != stairs.end() && next_it->second >= n.peak) {
       next_it = stairs.erase(next_it);
     }
+  }
+  return kept;
+}
+
+// Pareto pruning within each value of `counted`: a state whose boundary
+// storage is counted already and one where it is not differ in what the next
+// region adds, so neither dominates the other by (stored, cost, peak) alone.
+std::vector<DpState> prune_states(std::vector<DpState> next) {
+  std::vector<DpState> yes, no;
+  for (auto& n : next) {
+    (n.counted ? yes : no).push_back(std::move(n));
+  }
+  auto kept = prune_states_of(std::move(yes));
+  for (auto& n : prune_states_of(std::move(no))) {
+    kept.push_back(std::move(n));
   }
   return kept;
 }
@@ -1401,6 +1471,21 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
 // ranked by recompute saved per byte, and the ranking's prefixes are profiled
 // as sets, so interactions (Note [In-place ops on cached outputs]'s copies)
 // are measured, not assumed.
+// Note [Boundary storages]
+// The meter counts each saved storage once over the whole step. Profiled
+// alone, each region counts the tensors at its two boundaries as it sees
+// them: its input when it (or the checkpoint) keeps it (a Linear's or a
+// conv's input), its output when it keeps that itself (relu, sigmoid, tanh,
+// log_softmax save their result). In the step they are one storage: region
+// i's output is region i + 1's input, and a view region (flatten, reshape)
+// passes its input's storage on. Counting both would count a storage twice
+// (MNIST's relu -> conv2 and relu -> view -> fc1, log_softmax -> nll_loss:
+// 453,120 B too many). So the DP carries, per state, whether the storage at
+// its boundary is counted already (an earlier region kept it, or it is the
+// step's input, in the static bytes); a region that keeps its input then
+// adds nothing for it, and its forward peak, which includes its input, does
+// not count it again. The same holds for the loss head. Only boundaries can
+// be shared this way: a region's other tensors are its own.
 CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options) {
   TORCH_CHECK(options.budget_bytes() >= 0,
               "plan_regions: expected budget_bytes >= 0, but got ", options.budget_bytes());
@@ -1677,11 +1762,14 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
         const auto& st = layers[i][s];
         for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
-          const auto& ch = c[opt]->choice;
-          // Region 0's input is the step's input, already in Z.
-          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes - c[opt]->static_input_bytes;
+          const auto& prof = *c[opt];
+          const auto& ch = prof.choice;
+          // Region 0's input is the step's input, already in Z; a later
+          // region's input may be in st.stored already (Note [Boundary storages]).
+          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes -
+              (st.counted && prof.in_kept ? prof.in_bytes : 0);
           const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
-              (i == 0 ? input_bytes : 0);
+              (st.counted ? prof.in_bytes : 0);
           const int64_t bwd = Z + st.stored + stored + grads_after[i + k] + ch.backward_transient_bytes;
           DpState n;
           n.stored = st.stored + stored;
@@ -1693,6 +1781,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
           n.parent = s;
           n.option = opt;
           n.region = k;
+          n.counted = prof.out_aliases_in ? (st.counted || prof.in_kept) : prof.out_kept;
           incoming[i + k].push_back(n);
         }
       }
@@ -1704,8 +1793,10 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   // Final phases: the loss head and the optimizer step.
   std::vector<DpState> finals = layers[L];
   for (auto& f : finals) {
-    raise_peak(f, Z + f.stored + head.forward_peak_bytes, StepPhase::kForward);
-    raise_peak(f, Z + f.stored + head.stored_bytes + head.backward_transient_bytes, StepPhase::kBackward);
+    const int64_t in_counted = f.counted ? head.in_bytes : 0;
+    const int64_t head_stored = head.stored_bytes - (head.in_kept ? in_counted : 0);
+    raise_peak(f, Z + f.stored + head.forward_peak_bytes - in_counted, StepPhase::kForward);
+    raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes, StepPhase::kBackward);
     if (has_optimizer) {
       raise_peak(f, Z + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
     }
@@ -1745,10 +1836,12 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   plan.num_profiles = num_profiles;
   plan.blocks.resize(L);
   int64_t s = chosen;
+  std::vector<const BlockProfile*> chosen_profiles(L, nullptr);
   for (int64_t i = L; i >= 1;) {
     const auto& st = i == L ? end : layers[i][s];
     const int64_t start = i - st.region;
-    plan.blocks[start] = choices(start, st.region)[st.option]->choice;
+    chosen_profiles[start] = choices(start, st.region)[st.option];
+    plan.blocks[start] = chosen_profiles[start]->choice;
     for (int64_t j = start + 1; j < i; ++j) {  // inside the segment: nothing of their own
       plan.blocks[j] = BlockChoice{};
       plan.blocks[j].mode = BlockMode::kCheckpoint;
@@ -1757,10 +1850,22 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     s = st.parent;
     i = start;
   }
-  plan.activation_bytes = head.stored_bytes;
-  for (const auto& b : plan.blocks) {
+  // What the meter counts: each kept storage once, the step's input
+  // included when saved. A block's stored_bytes leaves out a boundary
+  // storage the block before it counted (Note [Boundary storages]).
+  plan.activation_bytes = 0;
+  bool counted = false;
+  for (int64_t i = 0; i < L; ++i) {
+    const auto* prof = chosen_profiles[i];
+    if (prof == nullptr) {
+      continue;  // inside a segment
+    }
+    auto& b = plan.blocks[i];
+    b.stored_bytes -= counted && prof->in_kept ? prof->in_bytes : 0;
     plan.activation_bytes += b.stored_bytes;
+    counted = prof->out_aliases_in ? (counted || prof->in_kept) : prof->out_kept;
   }
+  plan.activation_bytes += head.stored_bytes - (counted && head.in_kept ? head.in_bytes : 0);
   for (const auto& r : regions) {
     plan.region_names.push_back(r.name());
   }
