@@ -12,6 +12,9 @@
 #include "cli.h"
 #include "trainmem/accountant.h"
 #include "trainmem/device.h"
+#ifdef TRAINMEM_WITH_DISTRIBUTED
+#include "trainmem/distributed_trainer.h"
+#endif
 #include "trainmem/report.h"
 #include "trainmem/trainer.h"
 #include "trainmem/transformer.h"
@@ -43,6 +46,13 @@ struct AuditFlags {
   bool json = false;
   bool no_timeline = false;
   std::string html, trace, snapshot;
+  // Data-parallel ranks (--nproc N; distributed_trainer.h).
+  int64_t nproc = 1;
+  double bucket_cap_mb = 25;
+  bool gradient_as_bucket_view = false;
+  int64_t timeout_s = 60;
+  int64_t fail_rank = -1;
+  std::string fail_mode = "kill";
 };
 
 void add_training_flags(CLI::App& sub, AuditFlags& f) {
@@ -56,6 +66,8 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
   sub.add_option("--accumulate", f.accumulate, "micro-batches per step (gradient accumulation)")
       ->capture_default_str();
 }
+
+void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t);
 
 void run_audit(const AuditFlags& f) {
   check_model_flags(f.model);
@@ -72,6 +84,10 @@ void run_audit(const AuditFlags& f) {
       .accumulation(f.accumulate)
       .seed(f.seed)
       .timeline(!f.no_timeline);
+  if (f.nproc != 1) {
+    run_audit_distributed(f, o);
+    return;
+  }
   try {
     check_trainer_options(o);
   } catch (const c10::Error& e) {
@@ -113,6 +129,60 @@ void run_audit(const AuditFlags& f) {
     std::cerr << "trainmem: wrote " << f.snapshot << "\n";
   }
   std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
+}
+
+// `trainmem audit --nproc N`: N local ranks on Gloo, one report from rank 0.
+void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
+#ifdef TRAINMEM_WITH_DISTRIBUTED
+  if (!f.snapshot.empty()) {
+    throw UsageError("--snapshot is per process; with --nproc use --trace (one process per rank)");
+  }
+  if (!(f.bucket_cap_mb > 0)) {
+    throw UsageError(fmt::format("expected --bucket-cap-mb > 0, but got {}", f.bucket_cap_mb));
+  }
+  if (f.timeout_s < 1) {
+    throw UsageError(fmt::format("expected --timeout >= 1 second, but got {}", f.timeout_s));
+  }
+  const auto cap = static_cast<int64_t>(f.bucket_cap_mb * 1024 * 1024);
+  auto o = DistributedTrainerOptions()
+               .trainer(t)
+               .nproc(f.nproc)
+               .timeout_ms(f.timeout_s * 1000)
+               .fail_rank(f.fail_rank)
+               .fail_mode(f.fail_mode)
+               // DDP: a 1 MiB first bucket only while the cap is the default.
+               .data_parallel(DataParallelOptions()
+                                  .bucket_cap_bytes(cap)
+                                  .first_bucket_cap_bytes(f.bucket_cap_mb == 25 ? 1024 * 1024 : cap)
+                                  .gradient_as_bucket_view(f.gradient_as_bucket_view));
+  try {
+    check_distributed_trainer_options(o);
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+  for (const auto* path : {&f.html, &f.trace}) {
+    if (!path->empty()) {
+      check_writable(*path);
+    }
+  }
+  if (show_progress()) {
+    std::cerr << fmt::format("trainmem: {} ranks, {} steps each\n", f.nproc, f.steps);
+  }
+  const auto run = train_distributed(o);
+  if (!f.html.empty()) {
+    write_file_atomically(f.html, to_html(run.report));
+    std::cerr << "trainmem: wrote " << f.html << "\n";
+  }
+  if (!f.trace.empty()) {
+    write_file_atomically(f.trace, to_chrome_trace(run.report));
+    std::cerr << "trainmem: wrote " << f.trace << "\n";
+  }
+  std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
+#else
+  (void)t;
+  throw UsageError(fmt::format("--nproc {}: this trainmem was built without distributed audits "
+                               "(configure with gloo's headers, Debian libgloo-dev)", f.nproc));
+#endif
 }
 
 // Bytes per element of parameters/gradients and of optimizer state.
@@ -219,6 +289,19 @@ void add_audit_command(CLI::App& app) {
   sub->add_option("--trace", f->trace, "write a Chrome-trace/Perfetto JSON timeline to FILE");
   sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE");
   sub->add_flag("--no-timeline", f->no_timeline, "do not record allocator events (CPU)");
+  sub->add_option("--nproc", f->nproc, "data-parallel ranks: local processes on Gloo, the batch split across them")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->capture_default_str();
+  sub->add_option("--bucket-cap-mb", f->bucket_cap_mb, "DDP bucket cap in MiB (with --nproc)")->capture_default_str();
+  sub->add_flag("--gradient-as-bucket-view", f->gradient_as_bucket_view,
+                "gradients are views of the DDP buckets (with --nproc)");
+  sub->add_option("--timeout", f->timeout_s, "seconds before a collective or the store gives up (with --nproc)")
+      ->capture_default_str();
+  sub->add_option("--fail-rank", f->fail_rank, "fault injection (with --nproc): this rank fails")
+      ->capture_default_str();
+  sub->add_option("--fail-mode", f->fail_mode, "kill, throw or model (with --fail-rank)")
+      ->check(CLI::IsMember({"kill", "throw", "model"}))
+      ->capture_default_str();
   sub->callback([f] { run_audit(*f); });
 }
 
