@@ -165,7 +165,7 @@ int64_t DataParallel::communication_bytes() const {
   int64_t total = 0;
   std::unordered_set<const void*> seen;
   for (const auto& b : impl_->reducer->get_grad_buckets(/*return_zero_tensors=*/false)) {
-    const auto& buf = b.getBufferRef();
+    const auto& buf = b.getBuffer();
     if (buf.defined() && seen.insert(buf.storage().unsafeGetStorageImpl()).second) {
       total += static_cast<int64_t>(buf.storage().nbytes());
     }
@@ -176,7 +176,7 @@ int64_t DataParallel::communication_bytes() const {
 std::vector<int64_t> DataParallel::bucket_bytes() const {
   std::vector<int64_t> out;
   for (const auto& b : impl_->reducer->get_grad_buckets(/*return_zero_tensors=*/false)) {
-    const auto& buf = b.getBufferRef();
+    const auto& buf = b.getBuffer();
     out.push_back(buf.defined() ? static_cast<int64_t>(buf.nbytes()) : 0);
   }
   return out;
