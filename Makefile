@@ -6,7 +6,7 @@ JOBS     ?= $(shell nproc)
 ARGS     ?=
 CMAKE_ARGS ?=
 
-.PHONY: all configure build demo test bench compare cuda-check clean
+.PHONY: all configure build demo test bench compare cuda-check gpu-check deps-bundle sanitize clean
 
 all: build
 
@@ -63,6 +63,23 @@ cuda-check:
 	@grep -q "TRAINMEM_WITH_CUDA" $(CUDA_BUILD)/build.ninja || { echo "cuda-check: LibTorch in $(CUDA_BUILD) has no CUDA" >&2; exit 1; }
 	cmake --build $(CUDA_BUILD) -j $(JOBS) --target trainmem trainmem_cli trainmem_tests
 	@echo "cuda-check: trainmem, the trainmem command and the tests compile against $$(cat $(CUDA_BUILD)/.prefix)"
+
+# The test suite under ASan+UBSan, and the hook/meter/allocator/audit tests
+# under TSan (scripts/sanitize.sh; suppressions in scripts/sanitizers/).
+# Two more builds: about 45 min on this 2-core machine with a cold ccache.
+sanitize: configure
+	nice -n 10 scripts/sanitize.sh
+
+# googletest's sources and the nlohmann_json and CLI11 headers, copied into
+# .deps/ for a machine without Debian's dev packages (the GPU machine).
+deps-bundle:
+	scripts/deps_bundle.sh .deps
+
+# On a GPU machine with only a torch venv (TORCH_VENV, default
+# /opt/torch/.venv): build against it, run the CUDA tests, the audit on cuda
+# with a snapshot, and timings; prints a summary (scripts/gpu_check.sh).
+gpu-check:
+	scripts/gpu_check.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -10,6 +10,18 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include "detail/alloc_recorder.h"
+
+// Note [Allocations belong to a recorder]
+// Besides the process-wide counters, each block's header carries a tag: the
+// AllocRecorder attached to the allocating thread (0 when none). A free,
+// from any thread, goes to the recorder its block was made for, if that
+// recorder still exists (the tag holds the slot and its generation; the
+// slot's lock re-checks it). So an audit counts its own thread's work and
+// the frees of its blocks wherever they happen, and two audits on two
+// threads never see each other's bytes. Each slot caps its own event log:
+// a step with millions of allocations costs at most max_events events.
+
 // Note [Counting CPU allocator]
 // We wrap the CPU allocator that is current when install() runs. Each block
 // gets a 64-byte header (keeping the 64-byte alignment LibTorch's allocator
@@ -24,6 +36,62 @@ namespace {
 
 constexpr size_t kHeader = 64;
 constexpr int kMaxWindows = 64;
+constexpr int kMaxRecorders = 64;
+// Header layout: size (int64), recorder tag (uint64), allocation time (int64).
+constexpr size_t kTagOffset = 8;
+constexpr size_t kTimeOffset = 16;
+
+struct RecorderSlot {
+  std::mutex mutex;
+  std::atomic<uint64_t> tag{0};  // 0: free slot
+  bool logging = false;
+  int64_t max_events = 0;
+  int64_t dropped = 0;
+  std::vector<CpuMemoryEvent> events;
+  int64_t live = 0;
+  int64_t window_peak = 0;
+};
+
+RecorderSlot* recorder_slots() {
+  static auto* slots = new RecorderSlot[kMaxRecorders];  // never destroyed
+  return slots;
+}
+std::atomic<uint64_t> next_generation{1};
+thread_local uint64_t tls_recorder_tag = 0;
+
+int slot_of(uint64_t tag) {
+  return static_cast<int>(tag & 0x7f) - 1;
+}
+
+// Never throws (allocation and free paths).
+void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr) noexcept {
+  const int slot = slot_of(tag);
+  if (slot < 0 || slot >= kMaxRecorders) {
+    return;
+  }
+  auto& r = recorder_slots()[slot];
+  if (r.tag.load(std::memory_order_relaxed) != tag) {
+    return;
+  }
+  try {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.tag.load(std::memory_order_relaxed) != tag) {
+      return;
+    }
+    r.live += bytes;
+    r.window_peak = std::max(r.window_peak, r.live);
+    if (!r.logging) {
+      return;
+    }
+    if (static_cast<int64_t>(r.events.size()) >= r.max_events) {
+      ++r.dropped;
+      return;
+    }
+    r.events.push_back({time_ns, bytes, r.live, reinterpret_cast<uint64_t>(ptr)});
+  } catch (...) {
+    // losing an event is acceptable; failing an allocation is not
+  }
+}
 
 struct Counters {
   std::atomic<int64_t> allocated{0};
@@ -68,6 +136,11 @@ void log_event(Counters& c, int64_t bytes, int64_t now, const void* ptr) {
   }
 }
 
+int64_t now_since(const Counters& c) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now() - c.t0).count();
+}
+
 void counting_delete(void* data) {
   if (data == nullptr) {
     return;
@@ -79,6 +152,10 @@ void counting_delete(void* data) {
   const int64_t now = c.allocated.fetch_sub(size, std::memory_order_relaxed) - size;
   c.num_frees.fetch_add(1, std::memory_order_relaxed);
   log_event(c, -size, now, data);
+  const uint64_t tag = std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(block + kTagOffset)).load();
+  if (tag != 0) {
+    to_recorder(tag, -size, now_since(c), data);
+  }
   base_allocator->raw_deallocate(block);
 }
 
@@ -88,6 +165,10 @@ class CountingAllocator final : public c10::Allocator {
     void* block = base_allocator->raw_allocate(n + kHeader);
     const auto size = static_cast<int64_t>(n);
     std::memcpy(block, &size, sizeof(size));
+    const uint64_t tag = tls_recorder_tag;
+    const int64_t t = now_since(counters());
+    new (static_cast<char*>(block) + kTagOffset) uint64_t(tag);
+    std::memcpy(static_cast<char*>(block) + kTimeOffset, &t, sizeof(t));
     void* data = static_cast<char*>(block) + kHeader;
     auto& c = counters();
     const int64_t now = c.allocated.fetch_add(size, std::memory_order_relaxed) + size;
@@ -101,6 +182,9 @@ class CountingAllocator final : public c10::Allocator {
       }
     }
     log_event(c, size, now, data);
+    if (tag != 0) {
+      to_recorder(tag, size, t, data);
+    }
     return {data, data, &counting_delete, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
@@ -192,3 +276,126 @@ int64_t PeakWindow::peak_bytes() const {
 }
 
 } // namespace trainmem
+
+namespace trainmem::detail {
+
+AllocRecorder::AllocRecorder(int64_t max_events) : slot_(-1), tag_(0) {
+  TORCH_CHECK(max_events >= 0, "AllocRecorder: expected max_events >= 0, but got ", max_events);
+  auto* slots = recorder_slots();
+  for (int i = 0; i < kMaxRecorders; ++i) {
+    std::lock_guard<std::mutex> lock(slots[i].mutex);
+    if (slots[i].tag.load() == 0) {
+      slot_ = i;
+      tag_ = (next_generation.fetch_add(1) << 7) | static_cast<uint64_t>(i + 1);
+      slots[i].logging = false;
+      slots[i].max_events = max_events;
+      slots[i].dropped = 0;
+      slots[i].events.clear();
+      slots[i].live = 0;
+      slots[i].window_peak = 0;
+      slots[i].tag.store(tag_);
+      break;
+    }
+  }
+  TORCH_CHECK(slot_ >= 0, "trainmem: more than ", kMaxRecorders,
+              " audits record CPU allocations at once; end some first");
+}
+
+AllocRecorder::~AllocRecorder() {
+  auto& r = recorder_slots()[slot_];
+  try {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.tag.store(0);
+    std::vector<CpuMemoryEvent>().swap(r.events);
+  } catch (...) {
+  }
+  if (tls_recorder_tag == tag_) {
+    tls_recorder_tag = 0;
+  }
+}
+
+void AllocRecorder::attach_this_thread() {
+  tls_recorder_tag = tag_;
+}
+
+void AllocRecorder::set_logging(bool on) {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.logging = on;
+}
+
+std::vector<CpuMemoryEvent> AllocRecorder::take_events() {
+  auto& r = recorder_slots()[slot_];
+  std::vector<CpuMemoryEvent> out;
+  std::lock_guard<std::mutex> lock(r.mutex);
+  out.swap(r.events);
+  return out;
+}
+
+int64_t AllocRecorder::take_num_dropped() {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const int64_t d = r.dropped;
+  r.dropped = 0;
+  return d;
+}
+
+void AllocRecorder::set_max_events(int64_t max_events) {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.max_events = std::max<int64_t>(max_events, 0);
+}
+
+int64_t AllocRecorder::live_bytes() const {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.live;
+}
+
+void AllocRecorder::open_window() {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.window_peak = r.live;
+}
+
+int64_t AllocRecorder::window_peak() const {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return std::max(r.window_peak, r.live);
+}
+
+int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
+  if (!storage || storage.device_type() != c10::DeviceType::CPU) {
+    return 0;
+  }
+  const auto& dp = storage.data_ptr();
+  if (dp.get() == nullptr || dp.get_deleter() != &counting_delete) {
+    return 0;  // not made by the counting allocator (from_blob, mmap, before install)
+  }
+  char* block = static_cast<char*>(dp.get()) - kHeader;
+  int64_t size = 0;
+  std::memcpy(&size, block, sizeof(size));
+  if (alloc_ns != nullptr) {
+    std::memcpy(alloc_ns, block + kTimeOffset, sizeof(*alloc_ns));
+  }
+  std::atomic_ref<uint64_t> tag(*reinterpret_cast<uint64_t*>(block + kTagOffset));
+  const uint64_t owner = tag.load();
+  if (owner == tag_) {
+    return 0;
+  }
+  if (owner != 0) {
+    const int other = slot_of(owner);
+    if (other >= 0 && other < kMaxRecorders && recorder_slots()[other].tag.load() == owner) {
+      return 0;  // another live recorder's block (another audit's): not ours to take
+    }
+  }
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  // The storage is alive (we hold it), so its block cannot be freed meanwhile.
+  tag.store(tag_);
+  r.live += size;
+  r.window_peak = std::max(r.window_peak, r.live);
+  return size;
+}
+
+} // namespace trainmem::detail

@@ -4,34 +4,61 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <torch/csrc/jit/api/module.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
 
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/device.h"
 #include "trainmem/meter.h"
+#include "trainmem/optimizer_in_backward.h"
 
+#include "detail/alloc_recorder.h"
 #include "detail/backward_listener.h"
+#include "detail/thread_id.h"
 
 // Note [Categories from lifetimes]
 // The allocator sees bytes, not meaning. An allocation's category follows
-// from when it was made and how long it lived, plus the storages we can
-// name: parameters and gradients (their data pointers at the step's start
-// and end) and tensors passed to mark_input(). Made in forward and still
-// alive when backward starts: ACTIVATION (what autograd saved, the output,
-// the loss). Made and freed before that, or within backward or the
-// optimizer step: TEMPORARY. Alive at the step's end: GRADIENT if a
-// parameter's .grad owns it, OPTIMIZER_STATE if the optimizer step made it,
-// PARAMETER if a parameter owns it, else unknown. Every free carries its
-// allocation's category, so the per-category series never drift. The meter
-// gives the exact saved bytes beside this; the timeline's ACTIVATION is the
-// broader "kept for backward".
+// from the storages we can name when the step ends (parameters of every
+// audited module, their gradients, every added optimizer's state, labelled
+// tensors, inputs) and otherwise from when it was made and how long it
+// lived. Made in forward and still alive when backward starts: ACTIVATION
+// (what autograd saved, the output, the loss). Made and freed before that,
+// or within backward or an optimizer step: TEMPORARY. Alive at the step's
+// end and unnamed: OPTIMIZER_STATE if an optimizer step made it, else
+// unknown. Every free carries its allocation's category, so the
+// per-category series never drift. Bytes live when recording began are
+// attributed the same way (the blocks of named storages are adopted by the
+// audit's recorder, so their frees are seen); the rest is "before the
+// audit". The meter gives the exact saved bytes beside this; the timeline's
+// ACTIVATION is the broader "kept for backward".
+
+// Note [Optimizer phases from ops]
+// LibTorch's optimizers have no hook, but their step() runs ops on their
+// parameters and gradients under no-grad. While a step is open, a
+// thread-local RecordFunction callback looks at each op run without grad
+// (outside backward): one that reads or updates a parameter or a gradient
+// belongs to the optimizer that owns it, so that optimizer's step begins (a phase of
+// its own). An op that builds graph (an output with a grad_fn) is forward.
+// After a backward the phase is provisionally "optimizer step": a backward
+// that follows makes it forward (gradient accumulation), an optimizer's op
+// names it. Gradient clipping on an optimizer's gradients falls in its step.
 
 namespace trainmem {
 namespace {
@@ -43,8 +70,18 @@ uint64_t storage_address(const at::Tensor& t) {
   return reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
 }
 
+const c10::StorageImpl* storage_key(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) {
+    return nullptr;
+  }
+  return t.storage().unsafeGetStorageImpl();
+}
+
 struct Span {
   Phase phase = Phase::kForward;
+  std::string name;
+  int64_t optimizer = -1;    // index of the optimizer whose step this is
+  bool provisional = false;  // a guess that evidence may rename
   int64_t begin_ns = 0;
   int64_t end_ns = 0;
   int64_t peak_bytes = 0;
@@ -56,48 +93,102 @@ struct Alloc {
   bool final = false;     // category decided
 };
 
+// The state tensors of one optimizer (known LibTorch types; others: none,
+// their state is then classified by when it was made).
+void state_tensors(const torch::optim::Optimizer& opt, std::vector<at::Tensor>& out) {
+  using namespace torch::optim;
+  for (const auto& [key, state] : opt.state()) {
+    if (!state) {
+      continue;
+    }
+    const auto* s = state.get();
+    if (const auto* a = dynamic_cast<const AdamParamState*>(s)) {
+      out.insert(out.end(), {a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()});
+    } else if (const auto* w = dynamic_cast<const AdamWParamState*>(s)) {
+      out.insert(out.end(), {w->exp_avg(), w->exp_avg_sq(), w->max_exp_avg_sq()});
+    } else if (const auto* g = dynamic_cast<const SGDParamState*>(s)) {
+      out.push_back(g->momentum_buffer());
+    } else if (const auto* r = dynamic_cast<const RMSpropParamState*>(s)) {
+      out.insert(out.end(), {r->square_avg(), r->momentum_buffer(), r->grad_avg()});
+    } else if (const auto* ag = dynamic_cast<const AdagradParamState*>(s)) {
+      out.push_back(ag->sum());
+    } else if (const auto* l = dynamic_cast<const LBFGSParamState*>(s)) {
+      out.insert(out.end(), {l->d(), l->H_diag(), l->prev_flat_grad()});
+      out.insert(out.end(), l->old_dirs().begin(), l->old_dirs().end());
+      out.insert(out.end(), l->old_stps().begin(), l->old_stps().end());
+    }
+  }
+}
+
+// Per-thread list of the audits whose step is open on this thread, and the
+// one RecordFunction callback that serves them (Note [Optimizer phases from
+// ops]). Entries are weak: an audit destroyed on another thread is skipped
+// and dropped here later.
+thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
+thread_local std::optional<at::CallbackHandle> tls_watch_callback;
+
+std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn);
+void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*);
+
 } // namespace
 
-struct Audit::Impl {
-  const torch::nn::Module& model;
-  std::vector<const torch::optim::Optimizer*> optimizers;
+struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
+  struct NamedOptimizer {
+    const torch::optim::Optimizer* optimizer;
+    std::string name;   // phase name
+    int64_t group = 0;  // optimizers added in one call share a phase (OptimizerInBackward)
+  };
+  struct Label {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    const c10::StorageImpl* key;
+    std::string name;
+    Category category;
+  };
+
+  std::vector<const torch::nn::Module*> modules;
+  std::vector<const torch::jit::Module*> jit_modules;
+  std::vector<NamedOptimizer> optimizers;
+  int64_t num_groups = 0;
+  std::vector<Label> labels;
   c10::Device device;
   AuditOptions options;
   CpuMemoryTracker* tracker = nullptr;
+  std::unique_ptr<detail::AllocRecorder> recorder;
   std::unique_ptr<SavedTensorMeter> meter;
   std::unique_ptr<SavedTensorMeterGuard> meter_guard;
   int64_t listener_id = 0;
+  uint64_t step_thread = 0;
 
   // Timeline state.
   Timeline timeline;
   bool recording_started = false;
-  int64_t origin_ns = 0;         // tracker time of the audit's time zero
-  int64_t running_total = 0;     // baseline + events, to detect untracked drift
-  std::unordered_map<uint64_t, Alloc> live;   // address -> open allocation
-  std::unordered_map<uint64_t, Category> known; // pre-existing addresses
-  // Inputs made outside any step, whose bytes were moved from unknown to
-  // INPUT; the weak reference tells when one was freed outside a step too.
-  struct MovedInput {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    int64_t bytes;
-  };
-  std::unordered_map<uint64_t, MovedInput> known_inputs;
+  int64_t origin_ns = 0;      // tracker time of the audit's time zero
+  int64_t offset_bytes = 0;   // live bytes not owned by the recorder ("before the audit")
+  std::unordered_map<uint64_t, Alloc> live;      // address -> open allocation
+  std::unordered_map<uint64_t, Category> known;  // adopted pre-existing blocks
+  std::vector<MemoryEvent> synthetic;            // adoption events of this step, by time
   struct Input {
     uint64_t address;
     int64_t marked_ns;
-    int64_t bytes;
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   };
   std::vector<Input> inputs;  // marked in the open step
 
-  // Step state; `mutex` guards what the backward listener touches.
+  // Step state; `mutex` guards what the backward listener and the op
+  // callback touch (both run on the step's thread; the lock makes a
+  // destruction from another thread safe).
   std::mutex mutex;
   bool open = false;
+  bool closed = false;  // the Audit is gone
   int64_t step_index = 0;
   std::chrono::steady_clock::time_point wall_begin;
   int64_t step_begin_ns = 0;
   std::vector<Span> spans;
   std::unique_ptr<PeakWindow> window;
+  int backward_depth = 0;
+  std::optional<Span> marked;  // an explicit phase (begin_phase)
+  // Storage -> optimizer index: parameters (refreshed each step) and
+  // gradients (refreshed after each backward).
+  std::unordered_map<const c10::StorageImpl*, int64_t> param_owner, grad_owner;
 
   std::vector<StepRecord> steps;
   SavedTensorReport last_saved;
@@ -106,19 +197,64 @@ struct Audit::Impl {
   std::vector<std::string> notes;
   int64_t predicted_activation_bytes = -1;
 
-  Impl(const torch::nn::Module& m, const torch::optim::Optimizer* o, c10::Device d, AuditOptions opts)
-      : model(m), device(d), options(std::move(opts)) {
-    if (o != nullptr) {
-      optimizers.push_back(o);
+  Impl(c10::Device d, AuditOptions opts) : device(d), options(std::move(opts)) {}
+
+  std::vector<at::Tensor> parameters() const {
+    std::vector<at::Tensor> out;
+    std::unordered_set<const c10::TensorImpl*> seen;
+    auto add = [&](const at::Tensor& p) {
+      if (p.defined() && seen.insert(p.unsafeGetTensorImpl()).second) {
+        out.push_back(p);
+      }
+    };
+    for (const auto* m : modules) {
+      for (const auto& p : m->parameters()) {
+        add(p);
+      }
     }
+    for (const auto* m : jit_modules) {
+      for (const auto& p : m->parameters()) {
+        add(p);
+      }
+    }
+    return out;
   }
 
-  // Parameters and gradients from the model, state summed over optimizers.
+  // Buffers (BatchNorm's running statistics): PARAMETER on the timeline.
+  std::vector<at::Tensor> buffers() const {
+    std::vector<at::Tensor> out;
+    for (const auto* m : modules) {
+      for (const auto& b : m->buffers()) {
+        out.push_back(b);
+      }
+    }
+    for (const auto* m : jit_modules) {
+      for (const auto& b : m->buffers()) {
+        out.push_back(b);
+      }
+    }
+    return out;
+  }
+
+  // Every parameter in one module, so that the accountant can read
+  // optimizers whose parameters span several audited modules.
+  std::shared_ptr<torch::nn::Module> union_module() const {
+    auto u = std::make_shared<torch::nn::Module>("audited");
+    int64_t i = 0;
+    for (const auto& p : parameters()) {
+      u->register_parameter(fmt::format("p{}", i++), p, p.requires_grad());
+    }
+    return u;
+  }
+
+  // Parameters and gradients of every module, state summed over optimizers,
+  // labelled tensors.
   StaticBuckets buckets() const {
-    auto b = account(model);
+    const auto u = union_module();
+    auto b = account(*u);
     std::map<std::string, StateBytes> by_name;
-    for (const auto* o : optimizers) {
-      const auto ob = account(model, *o);
+    for (const auto& o : optimizers) {
+      const auto ob = account(*u, *o.optimizer);
       b.optimizer_state_bytes += ob.optimizer_state_bytes;
       for (const auto& st : ob.state_by_name) {
         auto& e = by_name[st.name];
@@ -134,6 +270,34 @@ struct Audit::Impl {
     return b;
   }
 
+  // Storages we can name now: category by block address.
+  std::unordered_map<uint64_t, Category> owners() const {
+    std::unordered_map<uint64_t, Category> o;
+    std::vector<at::Tensor> state;
+    for (const auto& opt : optimizers) {
+      state_tensors(*opt.optimizer, state);
+    }
+    for (const auto& t : state) {
+      o[storage_address(t)] = Category::kOptimizerState;
+    }
+    for (const auto& l : labels) {
+      if (auto s = l.storage.lock()) {
+        o[reinterpret_cast<uint64_t>(s->data_ptr().get())] = l.category;
+      }
+    }
+    for (const auto& b : buffers()) {
+      o[storage_address(b)] = Category::kParameter;
+    }
+    for (const auto& p : parameters()) {
+      o[storage_address(p)] = Category::kParameter;
+      if (p.grad().defined()) {
+        o[storage_address(p.grad())] = Category::kGradient;
+      }
+    }
+    o.erase(0);
+    return o;
+  }
+
   int64_t now_ns() const {
     if (tracker != nullptr) {
       return tracker->now_ns() - origin_ns;
@@ -142,8 +306,14 @@ struct Audit::Impl {
                std::chrono::steady_clock::now().time_since_epoch()).count() - origin_ns;
   }
 
+  bool per_thread() const {
+    return recorder != nullptr;
+  }
+
   void open_window() {
-    if (tracker != nullptr) {
+    if (recorder) {
+      recorder->open_window();
+    } else if (tracker != nullptr) {
       window = std::make_unique<PeakWindow>(*tracker);
     } else {
       reset_peak(device);
@@ -151,21 +321,33 @@ struct Audit::Impl {
   }
 
   int64_t window_peak() const {
+    if (recorder) {
+      return offset_bytes + recorder->window_peak();
+    }
     if (tracker != nullptr) {
       return window ? window->peak_bytes() : 0;
     }
     return device_memory_stats(device).peak_allocated_bytes;
   }
 
-  // Ends the current span at `t` and starts one of phase `next`.
-  void transition(Phase next, int64_t t) {
+  // Ends the current span at `t` and starts `next`.
+  void transition(Span next, int64_t t) {
     if (spans.empty()) {
       return;
     }
     spans.back().end_ns = t;
     spans.back().peak_bytes = window_peak();
     open_window();
-    spans.push_back(Span{next, t, t, 0});
+    next.begin_ns = next.end_ns = t;
+    spans.push_back(std::move(next));
+  }
+
+  Span optimizer_span(int64_t opt) const {
+    Span s;
+    s.phase = Phase::kOptimizerStep;
+    s.name = optimizers[static_cast<size_t>(opt)].name;
+    s.optimizer = optimizers[static_cast<size_t>(opt)].group;
+    return s;
   }
 
   // The meter covers forward only, one micro-batch at a time: a step's
@@ -182,11 +364,39 @@ struct Audit::Impl {
     meter->reset();
   }
 
+  void refresh_grad_owners() {
+    grad_owner.clear();
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      for (const auto& g : optimizers[i].optimizer->param_groups()) {
+        for (const auto& p : g.params()) {
+          if (p.grad().defined()) {
+            grad_owner[storage_key(p.grad())] = static_cast<int64_t>(i);
+          }
+        }
+      }
+    }
+    grad_owner.erase(nullptr);
+  }
+
+  void refresh_param_owners() {
+    param_owner.clear();
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      for (const auto& g : optimizers[i].optimizer->param_groups()) {
+        for (const auto& p : g.params()) {
+          param_owner[storage_key(p)] = static_cast<int64_t>(i);
+        }
+      }
+    }
+    param_owner.erase(nullptr);
+    refresh_grad_owners();
+  }
+
   void on_backward(bool begin) {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!open) {
+    if (!open || closed) {
       return;
     }
+    backward_depth += begin ? 1 : -1;
     if (meter) {
       if (begin) {
         close_meter();
@@ -194,42 +404,235 @@ struct Audit::Impl {
         meter_guard = std::make_unique<SavedTensorMeterGuard>(*meter);
       }
     }
-    // After a backward the phase is provisionally "optimizer step"; a later
-    // backward turns it back into forward (gradient accumulation).
-    transition(begin ? Phase::kBackward : Phase::kOptimizerStep, now_ns());
-    if (begin && spans.size() >= 2 && spans[spans.size() - 2].phase == Phase::kOptimizerStep) {
-      spans[spans.size() - 2].phase = Phase::kForward;
+    const int64_t t = now_ns();
+    if (begin) {
+      // A provisional optimizer step that saw no optimizer was forward
+      // (gradient accumulation: forward, backward, forward, backward...).
+      if (spans.back().provisional && spans.back().phase == Phase::kOptimizerStep) {
+        spans.back().phase = Phase::kForward;
+        spans.back().provisional = false;
+      }
+      Span b;
+      b.phase = Phase::kBackward;
+      transition(b, t);
+    } else {
+      refresh_grad_owners();
+      Span next;
+      if (marked) {
+        next = *marked;  // the marked phase resumes
+      } else {
+        next.phase = Phase::kOptimizerStep;
+        next.provisional = true;
+      }
+      transition(next, t);
     }
   }
 
-  void note_known_storages() {
-    known.clear();
-    for (const auto& p : model.parameters()) {
-      known[storage_address(p)] = Category::kParameter;
-      if (p.grad().defined()) {
-        known[storage_address(p.grad())] = Category::kGradient;
+  // An op of optimizer `opt` ran (Note [Optimizer phases from ops]).
+  void on_optimizer_op(int64_t opt) {
+    auto& cur = spans.back();
+    const int64_t group = optimizers[static_cast<size_t>(opt)].group;
+    if (cur.phase == Phase::kOptimizerStep && cur.optimizer == group) {
+      return;
+    }
+    if (cur.provisional) {
+      const int64_t begin = cur.begin_ns;
+      cur = optimizer_span(opt);
+      cur.begin_ns = begin;
+      return;
+    }
+    transition(optimizer_span(opt), now_ns());
+  }
+
+  void on_forward_op() {
+    auto& cur = spans.back();
+    if (cur.phase == Phase::kForward) {
+      return;
+    }
+    if (cur.provisional) {
+      cur.phase = Phase::kForward;
+      cur.provisional = false;
+      return;
+    }
+    if (cur.phase == Phase::kOptimizerStep) {
+      Span f;
+      f.phase = Phase::kForward;
+      transition(f, now_ns());
+    }
+  }
+
+  bool watching() const {
+    return open && !closed && backward_depth == 0 && !marked && !optimizers.empty();
+  }
+
+  void watch_start(const at::RecordFunction& fn) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!watching()) {
+      return;
+    }
+    const auto name = std::string_view(fn.name());
+    if (name == "aten::zero_" || name == "aten::detach_" || name == "aten::detach") {
+      return;  // zero_grad(false) and friends are no step
+    }
+    if (c10::GradMode::is_enabled()) {
+      return;  // LibTorch's optimizers step under NoGradGuard; forward (and
+               // TorchScript's detached differentiable graphs) run with grad
+    }
+    int64_t owner = -1;
+    auto look = [&](const at::Tensor& t) {
+      if (owner >= 0 || !t.defined() || !t.has_storage()) {
+        return;
+      }
+      const auto* key = t.storage().unsafeGetStorageImpl();
+      if (auto it = param_owner.find(key); it != param_owner.end()) {
+        owner = it->second;  // a parameter updated or read without grad
+      } else if (auto g = grad_owner.find(key); g != grad_owner.end()) {
+        owner = g->second;
+      }
+    };
+    for (const auto& v : fn.inputs()) {
+      if (v.isTensor()) {
+        look(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorVector()) {
+          look(t);
+        }
+      }
+      if (owner >= 0) {
+        break;
       }
     }
-    known.erase(0);
+    if (owner >= 0) {
+      on_optimizer_op(owner);
+    }
+  }
+
+  void watch_end(const at::RecordFunction& fn) {
+    if (!c10::GradMode::is_enabled()) {
+      return;
+    }
+    bool builds_graph = false;
+    for (const auto& v : fn.outputs()) {
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().grad_fn()) {
+        builds_graph = true;
+        break;
+      }
+    }
+    if (!builds_graph) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (watching()) {
+      on_forward_op();
+    }
+  }
+
+  void start_watching() {
+    if (optimizers.empty()) {
+      return;
+    }
+    auto& w = tls_watchers;
+    w.erase(std::remove_if(w.begin(), w.end(), [](const auto& e) { return e.expired(); }), w.end());
+    w.push_back(weak_from_this());
+    if (!tls_watch_callback) {
+      tls_watch_callback = at::addThreadLocalCallback(
+          at::RecordFunctionCallback(&on_watch_start, &on_watch_end)
+              .needsInputs(true)
+              .needsOutputs(true)
+              .scopes({at::RecordScope::FUNCTION}));
+    }
+  }
+
+  // On the step's thread only (thread-local state).
+  void stop_watching() {
+    auto& w = tls_watchers;
+    const auto* self = this;
+    w.erase(std::remove_if(w.begin(), w.end(),
+                           [self](const auto& e) {
+                             auto p = e.lock();
+                             return !p || p.get() == self;
+                           }),
+            w.end());
+    if (w.empty() && tls_watch_callback) {
+      at::removeCallback(*tls_watch_callback);
+      tls_watch_callback.reset();
+    }
+  }
+
+  // Adopts the block under `t` into the recorder (Note [Categories from
+  // lifetimes]); bytes made before recording leave "before the audit".
+  // Returns the adopted bytes.
+  int64_t adopt(const c10::Storage& storage, Category category, int64_t at_ns) {
+    if (!recorder) {
+      return 0;
+    }
+    int64_t alloc_ns = 0;
+    const int64_t bytes = recorder->adopt(storage, &alloc_ns);
+    if (bytes == 0) {
+      return 0;
+    }
+    const auto address = reinterpret_cast<uint64_t>(storage.data_ptr().get());
+    if (!recording_started || alloc_ns - origin_ns < 0) {
+      // Part of the baseline: its bytes change category there.
+      offset_bytes -= bytes;
+      if (recording_started) {
+        synthetic.push_back(MemoryEvent{at_ns, -bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
+        synthetic.push_back(MemoryEvent{at_ns, bytes, 0, category, Phase::kForward, step_index});
+      } else {
+        timeline.baseline_bytes[static_cast<int>(category)] += bytes;
+      }
+      known[address] = category;
+    } else {
+      // Made since, on a thread the audit does not record (a data loader):
+      // it appears now.
+      synthetic.push_back(MemoryEvent{at_ns, bytes, address, category, Phase::kForward, step_index});
+    }
+    return bytes;
   }
 
   void start_recording() {
     origin_ns = tracker->now_ns();
     recording_started = true;
+    recorder = std::make_unique<detail::AllocRecorder>(options.max_events());
+    recorder->attach_this_thread();
+    recorder->set_logging(true);
     const int64_t live_now = tracker->stats().allocated_bytes;
-    // Attribute what is live now by what we can name; the rest is unknown.
-    const auto b = buckets();
-    auto& base = timeline.baseline_bytes;
-    base[static_cast<int>(Category::kParameter)] = std::min(b.param_bytes, live_now);
-    base[static_cast<int>(Category::kGradient)] =
-        std::min(b.grad_bytes, live_now - base[0]);
-    base[static_cast<int>(Category::kOptimizerState)] =
-        std::min(b.optimizer_state_bytes, live_now - base[0] - base[1]);
-    base[static_cast<int>(Category::kUnknown)] = live_now - base[0] - base[1] - base[2];
-    running_total = live_now;
+    // Adopt what we can name; the rest is "before the audit".
+    recording_started = false;  // adopt() into the baseline
+    offset_bytes = live_now;
+    std::vector<std::pair<c10::Storage, Category>> named;
+    std::vector<at::Tensor> state;
+    for (const auto& opt : optimizers) {
+      state_tensors(*opt.optimizer, state);
+    }
+    auto add = [&](const at::Tensor& t, Category c) {
+      if (t.defined() && t.has_storage()) {
+        named.emplace_back(t.storage(), c);
+      }
+    };
+    for (const auto& p : parameters()) {
+      add(p, Category::kParameter);
+      add(p.grad(), Category::kGradient);
+    }
+    for (const auto& b : buffers()) {
+      add(b, Category::kParameter);
+    }
+    for (const auto& t : state) {
+      add(t, Category::kOptimizerState);
+    }
+    for (const auto& l : labels) {
+      if (auto st = l.storage.lock()) {
+        named.emplace_back(c10::Storage(std::move(st)), l.category);
+      }
+    }
+    for (const auto& [storage, category] : named) {
+      adopt(storage, category, 0);
+    }
+    recording_started = true;
+    timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] = offset_bytes;
   }
 
-  bool push_event(MemoryEvent e) {
+  bool push_event(const MemoryEvent& e) {
     if (static_cast<int64_t>(timeline.events.size()) >= options.max_events()) {
       ++timeline.num_dropped_events;
       return false;
@@ -267,20 +670,22 @@ struct Audit::Impl {
     if (is_input(a.address, a.time_ns)) {
       return Category::kInput;
     }
-    if (a.phase == Phase::kForward && free_ns >= first_backward_after(a.time_ns)) {
+    if (a.phase == Phase::kForward && a.time_ns >= step_begin_ns && free_ns >= first_backward_after(a.time_ns)) {
       return Category::kActivation;
     }
     return Category::kTemporary;
   }
 
   // Category of an allocation still live at the step's end.
-  Category category_of_live(const MemoryEvent& a,
-                            const std::unordered_map<uint64_t, Category>& owners) const {
+  Category category_of_live(const MemoryEvent& a, const std::unordered_map<uint64_t, Category>& own) const {
     if (is_input(a.address, a.time_ns)) {
       return Category::kInput;
     }
-    if (auto it = owners.find(a.address); it != owners.end()) {
+    if (auto it = own.find(a.address); it != own.end()) {
       return it->second;
+    }
+    if (a.time_ns < step_begin_ns) {
+      return Category::kUnknown;  // made between steps
     }
     if (a.phase == Phase::kOptimizerStep) {
       return Category::kOptimizerState;
@@ -292,59 +697,41 @@ struct Audit::Impl {
   }
 
   void classify_step_events(std::vector<CpuMemoryEvent> raw) {
-    // An input made outside any step sits in the baseline (or a between-
-    // steps adjustment) as unknown: move its bytes to INPUT at the step's
-    // start, once, before the step's own events so the series stays in time
-    // order; when it is freed outside a step, move them back (its free was
-    // counted as unknown). Order: inputs freed since, the between-steps
-    // adjustment, new inputs, so no category dips below zero on the way.
-    // `allocated`: addresses allocated in this step; `freed_before`: blocks
-    // made before the step and freed in it (their address's first event is a
-    // free; a later free at that address is a new block's).
-    std::unordered_set<uint64_t> allocated, freed_before;
-    for (const auto& r : raw) {
-      if (r.bytes > 0) {
-        allocated.insert(r.address);
-      } else if (allocated.count(r.address) == 0) {
-        freed_before.insert(r.address);
-      }
-    }
-    for (auto it = known_inputs.begin(); it != known_inputs.end();) {
-      if (it->second.storage.expired() && freed_before.count(it->first) == 0) {
-        push_event(MemoryEvent{step_begin_ns, -it->second.bytes, 0, Category::kInput, Phase::kForward, step_index});
-        push_event(MemoryEvent{step_begin_ns, it->second.bytes, 0, Category::kUnknown, Phase::kForward, step_index});
-        it = known_inputs.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    // Bytes allocated or freed between steps were not logged: one
-    // adjustment event keeps the totals equal to the allocator's.
-    if (!raw.empty()) {
-      const int64_t before = raw.front().allocated_bytes - raw.front().bytes;
-      if (before != running_total) {
-        push_event(MemoryEvent{step_begin_ns, before - running_total, 0, Category::kUnknown,
-                               Phase::kForward, step_index});
-        running_total = before;
-      }
-    }
-    for (const auto& in : inputs) {
-      if (allocated.count(in.address) == 0 && live.count(in.address) == 0 &&
-          known_inputs.count(in.address) == 0) {
-        known_inputs.emplace(in.address, MovedInput{in.storage, in.bytes});
-        push_event(MemoryEvent{step_begin_ns, -in.bytes, 0, Category::kUnknown, Phase::kForward, step_index});
-        push_event(MemoryEvent{step_begin_ns, in.bytes, 0, Category::kInput, Phase::kForward, step_index});
-      }
-    }
+    timeline.num_dropped_events += recorder->take_num_dropped();
+    // The recorder's events and this step's adoptions, in time order.
+    std::vector<MemoryEvent> all;
+    all.reserve(raw.size() + synthetic.size());
     for (const auto& r : raw) {
       MemoryEvent e;
       e.time_ns = r.time_ns - origin_ns;
       e.bytes = r.bytes;
       e.address = r.address;
-      e.phase = phase_at(e.time_ns);
+      e.category = Category::kUnknown;
       e.step = step_index;
-      running_total += r.bytes;
-      if (r.bytes > 0) {
+      all.push_back(e);
+    }
+    const size_t num_raw = all.size();
+    all.insert(all.end(), synthetic.begin(), synthetic.end());
+    synthetic.clear();
+    std::vector<size_t> order(all.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+      order[i] = i;
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return all[a].time_ns < all[b].time_ns; });
+    for (const size_t i : order) {
+      auto e = all[i];
+      e.phase = phase_at(e.time_ns);
+      if (i >= num_raw) {
+        // An adoption: its category is set; an alloc stays open until freed.
+        if (e.address != 0 && e.bytes > 0 && push_event(e)) {
+          live[e.address] = Alloc{timeline.events.size() - 1, true};
+        } else if (e.address == 0) {
+          push_event(e);
+        }
+        continue;
+      }
+      if (e.bytes > 0) {
         if (push_event(e)) {
           live[e.address] = Alloc{timeline.events.size() - 1, false};
         }
@@ -357,40 +744,60 @@ struct Audit::Impl {
         }
         e.category = a.category;
         live.erase(it);
-      } else if (known_inputs.count(e.address) > 0) {
-        e.category = Category::kInput;
-        known_inputs.erase(e.address);
       } else if (auto k = known.find(e.address); k != known.end()) {
         e.category = k->second;
+        known.erase(k);
       } else {
-        e.category = Category::kUnknown;
+        // Its allocation was dropped (the log was full): nothing to pair.
+        continue;
       }
       push_event(e);
     }
     // What survives the step gets its final category now.
-    std::unordered_map<uint64_t, Category> owners;
-    for (const auto& p : model.parameters()) {
-      owners[storage_address(p)] = Category::kParameter;
-      if (p.grad().defined()) {
-        owners[storage_address(p.grad())] = Category::kGradient;
-      }
-    }
+    const auto own = owners();
     for (auto& [address, a] : live) {
       if (!a.final) {
         auto& e = timeline.events[a.event];
-        e.category = category_of_live(e, owners);
+        e.category = category_of_live(e, own);
         a.final = true;
       }
     }
   }
 };
 
-Audit::Audit(
-    const torch::nn::Module& model,
-    const torch::optim::Optimizer* optimizer,
-    c10::Device device,
-    AuditOptions options)
-    : impl_(std::make_unique<Impl>(model, optimizer, device, std::move(options))) {
+namespace {
+
+std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn) {
+  try {
+    for (const auto& w : tls_watchers) {
+      if (auto impl = w.lock()) {
+        impl->watch_start(fn);
+      }
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem::Audit: could not follow an op's phase: ", e.what());
+  } catch (...) {
+  }
+  return nullptr;
+}
+
+void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  try {
+    for (const auto& w : tls_watchers) {
+      if (auto impl = w.lock()) {
+        impl->watch_end(fn);
+      }
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem::Audit: could not follow an op's phase: ", e.what());
+  } catch (...) {
+  }
+}
+
+} // namespace
+
+Audit::Audit(c10::Device device, AuditOptions options)
+    : impl_(std::make_shared<Impl>(device, std::move(options))) {
   TORCH_CHECK(
       impl_->options.max_events() >= 0,
       "Audit: expected max_events >= 0, but got ", impl_->options.max_events());
@@ -405,74 +812,230 @@ Audit::Audit(
   }
   impl_->timeline.device = device_memory_stats(device).device;  // fails early, naming the device
   if (impl_->options.meter()) {
-    impl_->meter = std::make_unique<SavedTensorMeter>(model);
+    impl_->meter = std::make_unique<SavedTensorMeter>();
   }
   detail::ensure_hooks_engine();
-  Impl* impl = impl_.get();
-  impl_->listener_id = detail::add_backward_listener([impl](bool begin) { impl->on_backward(begin); });
+}
+
+Audit::Audit(
+    const torch::nn::Module& model,
+    const torch::optim::Optimizer* optimizer,
+    c10::Device device,
+    AuditOptions options)
+    : Audit(device, std::move(options)) {
+  add_module(model);
+  if (optimizer != nullptr) {
+    add_optimizer(*optimizer);
+  }
+}
+
+Audit::Audit(
+    const torch::jit::Module& model,
+    const torch::optim::Optimizer* optimizer,
+    c10::Device device,
+    AuditOptions options)
+    : Audit(device, std::move(options)) {
+  add_module(model);
+  if (optimizer != nullptr) {
+    add_optimizer(*optimizer);
+  }
 }
 
 Audit::~Audit() {
-  detail::remove_backward_listener(impl_->listener_id);
-  if (impl_->open) {
-    try {
-      impl_->meter_guard.reset();
-      if (impl_->tracker != nullptr && impl_->options.timeline()) {
-        impl_->tracker->record_events(false);
-      }
-    } catch (...) {
+  // Safe on any thread: the listener is removed under its registry's lock,
+  // the op callback holds the Impl only weakly, the meter guard and the
+  // recorder may end anywhere. What is thread-local to the step's thread is
+  // dropped there lazily.
+  try {
+    detail::remove_backward_listener(impl_->listener_id);
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->closed = true;
+    impl_->meter_guard.reset();
+    impl_->recorder.reset();
+    if (impl_->step_thread == detail::this_thread_id()) {
+      impl_->stop_watching();
     }
+  } catch (...) {
+  }
+}
+
+void Audit::add_module(const torch::nn::Module& module) {
+  auto& s = *impl_;
+  TORCH_CHECK(!s.open, "Audit::add_module: call it outside a step (step ", s.step_index, " is open)");
+  TORCH_CHECK(std::find(s.modules.begin(), s.modules.end(), &module) == s.modules.end(),
+              "Audit::add_module: module '", module.name(), "' was added already");
+  s.modules.push_back(&module);
+  if (s.meter) {
+    s.meter->exclude(module);
+  }
+}
+
+void Audit::add_module(const torch::jit::Module& module) {
+  auto& s = *impl_;
+  TORCH_CHECK(!s.open, "Audit::add_module: call it outside a step (step ", s.step_index, " is open)");
+  TORCH_CHECK(std::find(s.jit_modules.begin(), s.jit_modules.end(), &module) == s.jit_modules.end(),
+              "Audit::add_module: this TorchScript module was added already");
+  s.jit_modules.push_back(&module);
+  if (s.meter) {
+    for (const auto& p : module.parameters()) {
+      s.meter->exclude(p);
+    }
+    for (const auto& b : module.buffers()) {
+      s.meter->exclude(b);
+    }
+  }
+}
+
+namespace {
+
+std::string optimizer_type(const torch::optim::Optimizer& o) {
+  using namespace torch::optim;
+  if (dynamic_cast<const AdamW*>(&o)) return "AdamW";
+  if (dynamic_cast<const Adam*>(&o)) return "Adam";
+  if (dynamic_cast<const SGD*>(&o)) return "SGD";
+  if (dynamic_cast<const RMSprop*>(&o)) return "RMSprop";
+  if (dynamic_cast<const Adagrad*>(&o)) return "Adagrad";
+  if (dynamic_cast<const LBFGS*>(&o)) return "LBFGS";
+  return "optimizer";
+}
+
+} // namespace
+
+void Audit::add_optimizer(const torch::optim::Optimizer& optimizer, std::string name) {
+  auto& s = *impl_;
+  TORCH_CHECK(!s.open, "Audit::add_optimizer: call it outside a step (step ", s.step_index, " is open)");
+  for (const auto& o : s.optimizers) {
+    TORCH_CHECK(o.optimizer != &optimizer, "Audit::add_optimizer: optimizer '", o.name, "' was added already");
+  }
+  std::unordered_set<const c10::TensorImpl*> audited;
+  for (const auto& p : s.parameters()) {
+    audited.insert(p.unsafeGetTensorImpl());
+  }
+  int64_t num = 0, foreign = 0;
+  for (const auto& g : optimizer.param_groups()) {
+    for (const auto& p : g.params()) {
+      ++num;
+      foreign += audited.count(p.unsafeGetTensorImpl()) == 0 ? 1 : 0;
+    }
+  }
+  TORCH_CHECK(num > 0, "Audit::add_optimizer: the optimizer has no parameters");
+  TORCH_CHECK(foreign == 0, "Audit::add_optimizer: ", foreign, " of the optimizer's ", num,
+              " parameters are not parameters of an audited module; add their module first "
+              "(Audit::add_module)");
+  if (name.empty()) {
+    name = optimizer_type(optimizer);
+    int64_t same = 0;
+    for (const auto& o : s.optimizers) {
+      same += optimizer_type(*o.optimizer) == name ? 1 : 0;
+    }
+    if (same > 0) {
+      name += fmt::format(" #{}", same + 1);
+    }
+  }
+  s.optimizers.push_back({&optimizer, std::move(name), s.num_groups++});
+}
+
+void Audit::add_optimizer(const OptimizerInBackward& optimizer, std::string name) {
+  auto& s = *impl_;
+  const auto all = optimizer.optimizers();
+  TORCH_CHECK(!all.empty(), "Audit::add_optimizer: the OptimizerInBackward has no optimizers");
+  const auto first = s.optimizers.size();
+  const auto group = s.num_groups;
+  if (name.empty()) {
+    name = "in backward";
+  }
+  try {
+    for (const auto* o : all) {
+      add_optimizer(*o, name);
+      s.optimizers.back().group = group;
+    }
+  } catch (...) {
+    s.optimizers.resize(first);
+    throw;
+  }
+  s.num_groups = group + 1;
+}
+
+void Audit::label(const at::Tensor& tensor, std::string name, Category category) {
+  auto& s = *impl_;
+  TORCH_CHECK(tensor.defined(), "Audit::label: the tensor is undefined");
+  TORCH_CHECK(!name.empty(), "Audit::label: the name is empty");
+  TORCH_CHECK(!s.open, "Audit::label: call it outside a step (step ", s.step_index, " is open)");
+  TORCH_CHECK(tensor.has_storage(), "Audit::label: the tensor has no storage (layout ", tensor.layout(), ")");
+  s.labels.push_back({tensor.storage().getWeakStorageImpl(), tensor.storage().unsafeGetStorageImpl(),
+                      std::move(name), category});
+  if (s.meter) {
+    s.meter->exclude(tensor);
+  }
+  if (s.recording_started) {
+    s.adopt(tensor.storage(), category, s.now_ns());
   }
 }
 
 void Audit::begin_step() {
   auto& s = *impl_;
   TORCH_CHECK(!s.open, "Audit::begin_step: step ", s.step_index, " is still open; call end_step() first");
+  const uint64_t thread = detail::this_thread_id();
+  if (s.recorder && s.step_thread != 0 && thread != s.step_thread) {
+    s.recorder->attach_this_thread();  // the loop moved to another thread
+  }
+  s.step_thread = thread;
   const bool timeline = s.tracker != nullptr && s.options.timeline();
   if (timeline && !s.recording_started) {
     s.start_recording();
   }
-  if (s.tracker == nullptr && !s.recording_started) {
+  if (!s.recording_started) {
     s.origin_ns = s.now_ns();
     s.recording_started = true;
   }
-  s.note_known_storages();
   if (s.meter) {
     s.meter->reset();
     s.step_saved = SavedTensorReport();
     s.meter_guard = std::make_unique<SavedTensorMeterGuard>(*s.meter);
   }
+  std::weak_ptr<Impl> weak = s.shared_from_this();
+  s.listener_id = detail::add_backward_listener([weak](bool begin) {
+    if (auto impl = weak.lock()) {
+      impl->on_backward(begin);
+    }
+  });
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.spans.clear();
+    s.backward_depth = 0;
+    s.marked.reset();
+    s.refresh_param_owners();
     s.wall_begin = std::chrono::steady_clock::now();
     s.step_begin_ns = s.now_ns();
     s.open_window();
-    s.spans.push_back(Span{Phase::kForward, s.step_begin_ns, s.step_begin_ns, 0});
+    Span f;
+    f.phase = Phase::kForward;
+    f.begin_ns = f.end_ns = s.step_begin_ns;
+    s.spans.push_back(f);
     s.open = true;
   }
-  if (timeline) {
-    s.tracker->take_events(); // drop anything logged by someone else before
-    s.tracker->record_events(true);
-  }
+  s.start_watching();
 }
 
 void Audit::end_step() {
   auto& s = *impl_;
   TORCH_CHECK(s.open, "Audit::end_step: no step is open; call begin_step() first");
-  const bool timeline = s.tracker != nullptr && s.options.timeline();
-  std::vector<CpuMemoryEvent> raw;
-  if (timeline) {
-    s.tracker->record_events(false);
-    raw = s.tracker->take_events();
+  detail::remove_backward_listener(s.listener_id);
+  s.listener_id = 0;
+  if (s.step_thread == detail::this_thread_id()) {
+    s.stop_watching();
   }
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     const int64_t t = s.now_ns();
     s.spans.back().end_ns = t;
     s.spans.back().peak_bytes = s.window_peak();
+    if (s.spans.back().provisional) {
+      s.spans.back().provisional = false;  // no optimizer showed itself: keep the guess
+    }
     s.window.reset();
     s.open = false;
+    s.marked.reset();
   }
   if (s.meter) {
     s.close_meter();
@@ -483,8 +1046,10 @@ void Audit::end_step() {
   rec.time_ms = std::chrono::duration<double, std::milli>(
                     std::chrono::steady_clock::now() - s.wall_begin).count();
   rec.saved_activation_bytes = s.last_saved.saved_bytes;
-  if (timeline) {
-    s.classify_step_events(std::move(raw));
+  if (s.recorder && s.options.timeline()) {
+    s.classify_step_events(s.recorder->take_events());
+    const int64_t room = s.options.max_events() - static_cast<int64_t>(s.timeline.events.size());
+    s.recorder->set_max_events(room);  // the cap holds inside the next step too
   }
   for (const auto& span : s.spans) {
     rec.peak_bytes = std::max(rec.peak_bytes, span.peak_bytes);
@@ -494,6 +1059,7 @@ void Audit::end_step() {
     slot = std::max(slot, span.peak_bytes);
     PhaseSpan ps;
     ps.phase = span.phase;
+    ps.name = span.name;
     ps.step = s.step_index;
     ps.begin_ns = span.begin_ns;
     ps.end_ns = span.end_ns;
@@ -518,18 +1084,54 @@ Audit::StepGuard::~StepGuard() {
   }
 }
 
-void Audit::mark_input(const at::Tensor& tensor) {
-  TORCH_CHECK(tensor.defined(), "Audit::mark_input: the tensor is undefined");
-  TORCH_CHECK(impl_->open, "Audit::mark_input: call it inside a step (after begin_step())");
-  const auto address = storage_address(tensor);
-  if (address != 0 && tensor.is_cpu()) {
-    impl_->inputs.push_back({address, impl_->now_ns(), static_cast<int64_t>(tensor.storage().nbytes()),
-                             tensor.storage().getWeakStorageImpl()});
+void Audit::begin_phase(Phase phase, std::string name) {
+  auto& s = *impl_;
+  TORCH_CHECK(s.open, "Audit::begin_phase: call it inside a step (after begin_step())");
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.marked, "Audit::begin_phase: phase '", span_label(PhaseSpan{s.marked->phase, s.marked->name}),
+              "' is still open; call end_phase() first");
+  Span m;
+  m.phase = phase;
+  m.name = std::move(name);
+  s.marked = m;
+  s.transition(m, s.now_ns());
+}
+
+void Audit::end_phase() {
+  auto& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(s.open && s.marked, "Audit::end_phase: no phase marked with begin_phase() is open");
+  s.marked.reset();
+  Span f;
+  f.phase = Phase::kForward;
+  f.provisional = true;
+  s.transition(f, s.now_ns());
+}
+
+Audit::PhaseGuard::PhaseGuard(Audit& audit, Phase phase, std::string name) : audit_(audit) {
+  audit_.begin_phase(phase, std::move(name));
+}
+
+Audit::PhaseGuard::~PhaseGuard() {
+  try {
+    audit_.end_phase();
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem::Audit: ending the phase failed: ", e.what());
+  } catch (...) {
   }
 }
 
-void Audit::add_optimizer(const torch::optim::Optimizer& optimizer) {
-  impl_->optimizers.push_back(&optimizer);
+void Audit::mark_input(const at::Tensor& tensor) {
+  auto& s = *impl_;
+  TORCH_CHECK(tensor.defined(), "Audit::mark_input: the tensor is undefined");
+  TORCH_CHECK(s.open, "Audit::mark_input: call it inside a step (after begin_step())");
+  const auto address = storage_address(tensor);
+  if (address == 0 || !tensor.is_cpu()) {
+    return;
+  }
+  const int64_t t = s.now_ns();
+  s.adopt(tensor.storage(), Category::kInput, t);
+  s.inputs.push_back({address, t});
 }
 
 void Audit::set_config(const std::string& key, const std::string& value) {
@@ -559,6 +1161,15 @@ const Timeline& Audit::timeline() const {
   return impl_->timeline;
 }
 
+Timeline Audit::take_timeline() {
+  TORCH_CHECK(!impl_->open, "Audit::take_timeline: step ", impl_->step_index, " is still open");
+  Timeline t = std::move(impl_->timeline);
+  impl_->timeline = Timeline();
+  impl_->timeline.device = t.device;
+  impl_->live.clear();
+  return t;
+}
+
 AuditReport Audit::report() const {
   const auto& s = *impl_;
   TORCH_CHECK(!s.open, "Audit::report: step ", s.step_index, " is still open; call end_step() first");
@@ -575,7 +1186,14 @@ AuditReport Audit::report() const {
       r.buckets.push_back({"optimizer state (" + st.name + ")", Category::kOptimizerState, st.bytes});
     }
   }
+  for (const auto& l : s.labels) {
+    if (auto st = l.storage.lock()) {
+      r.buckets.push_back({l.name, l.category, static_cast<int64_t>(st->nbytes())});
+    }
+  }
   r.saved_activation_bytes = s.last_saved.saved_bytes;
+  r.saved_device_bytes = s.last_saved.device_bytes;
+  r.saved_host_bytes = s.last_saved.host_bytes;
   r.saved_by_node = s.last_saved.by_node;
   r.predicted_activation_bytes = s.predicted_activation_bytes;
   r.steps = s.steps;
@@ -586,22 +1204,28 @@ AuditReport Audit::report() const {
   r.fragmentation = fragmentation(r.device_stats);
   r.phases = s.timeline.phases;
   if (!s.timeline.events.empty()) {
-    const auto all = live_bytes(s.timeline);
-    // Category breakdown at each phase's highest point, and at the peak.
-    size_t i = 0;
-    int64_t best = -1;
-    for (auto& ph : r.phases) {
-      int64_t top = -1;
-      while (i < all.size() && all[i].time_ns <= ph.end_ns) {
-        if (all[i].time_ns >= ph.begin_ns && all[i].total_bytes() > top) {
-          top = all[i].total_bytes();
-          ph.peak_by_category = all[i].bytes;
-        }
-        if (all[i].total_bytes() > best) {
-          best = all[i].total_bytes();
-          r.peak_by_category = all[i].bytes;
-        }
-        ++i;
+    // Category breakdown at each phase's highest point, and at the peak: one
+    // pass over the events, never the whole series in memory.
+    TimelinePoint p;
+    p.bytes = s.timeline.baseline_bytes;
+    int64_t best = p.total_bytes();
+    r.peak_by_category = p.bytes;
+    size_t ph = 0;
+    int64_t top = -1;
+    for (const auto& e : s.timeline.events) {
+      p.bytes[static_cast<int>(e.category)] += e.bytes;
+      const int64_t total = p.total_bytes();
+      while (ph < r.phases.size() && e.time_ns > r.phases[ph].end_ns) {
+        ++ph;
+        top = -1;
+      }
+      if (ph < r.phases.size() && e.time_ns >= r.phases[ph].begin_ns && total > top) {
+        top = total;
+        r.phases[ph].peak_by_category = p.bytes;
+      }
+      if (total > best) {
+        best = total;
+        r.peak_by_category = p.bytes;
       }
     }
     r.series = live_bytes(s.timeline, s.options.max_points());
@@ -610,6 +1234,12 @@ AuditReport Audit::report() const {
     r.notes.push_back(fmt::format(
         "{} allocator events beyond max_events were dropped; the timeline ends early",
         s.timeline.num_dropped_events));
+  }
+  if (s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] > 0) {
+    r.notes.push_back(fmt::format(
+        "{} B were live before the audit began and are no parameter, gradient, optimizer state or labelled "
+        "tensor (a data set held in memory? name it with Audit::label()); the plot can hide this baseline",
+        with_commas(s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)])));
   }
   for (const auto& n : s.notes) {
     r.notes.push_back(n);

@@ -12,6 +12,8 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/custom_class.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -22,6 +24,7 @@
 
 #include "detail/attribution.h"
 #include "detail/checkpoint_state.h"
+#include "detail/intercept.h"
 #include "trainmem/hooks.h"
 
 // Note [Non-reentrant checkpoint]
@@ -117,6 +120,122 @@ AutocastGuard::~AutocastGuard() {
   try {
     previous_.apply();
   } catch (...) {
+  }
+}
+
+// While alive (thread-local), tensors from outside the recompute that an op
+// writes in place are copied before the first write and restored at the end:
+// Note [Recompute does not change state]. Never throws from its destructor.
+class RestoreStateGuard final : public InterceptHandler {
+ public:
+  RestoreStateGuard();
+  ~RestoreStateGuard() override;
+  RestoreStateGuard(const RestoreStateGuard&) = delete;
+  RestoreStateGuard& operator=(const RestoreStateGuard&) = delete;
+
+  void handle(const InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+              torch::jit::Stack* stack) override;
+
+ private:
+  void snapshot(const at::Tensor& t);
+  std::unordered_set<const c10::StorageImpl*> created_;  // made by the recompute
+  std::unordered_set<const c10::StorageImpl*> saved_;    // already copied
+  std::vector<std::pair<at::Tensor, at::Tensor>> snapshots_; // (whole storage, its copy)
+  std::optional<InterceptScope> scope_;
+};
+
+// Note [Recompute does not change state]
+// A recompute must not update state a second time: BatchNorm's running
+// statistics (native_batch_norm writes running_mean and running_var in
+// place) and num_batches_tracked (the module's `+= 1`) would move twice per
+// step, and any module that counts its calls would count twice. PyTorch's
+// checkpoint has this flaw; we do not. While a region is recomputed, this
+// handler (innermost, so it also sees ops a selective policy replays) watches
+// every op: an argument the op writes (`Tensor(a!)` in its schema, or a
+// batch norm's `running_mean`/`running_var`, which native_batch_norm writes
+// with no annotation) whose
+// storage was not made during the recompute is state from outside the region,
+// so its whole storage is copied once before the first write and copied back
+// when the recompute ends (early stop and errors included). Storages the
+// recompute makes (outputs that alias nothing) are its own and left alone.
+// Costs nothing where nothing outside is written (transformers), a copy of
+// each written buffer where something is (BatchNorm: 2 C floats and 8 B).
+RestoreStateGuard::RestoreStateGuard() {
+  register_intercept_fallback();
+  scope_.emplace(*this);
+}
+
+RestoreStateGuard::~RestoreStateGuard() {
+  scope_.reset();
+  try {
+    c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
+    at::NoGradGuard no_grad;
+    for (auto& [target, copy] : snapshots_) {
+      target.copy_(copy);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem checkpoint: could not restore the state the recompute wrote: ", e.what());
+  }
+}
+
+void RestoreStateGuard::snapshot(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) {
+    return;
+  }
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  if (created_.count(key) != 0 || !saved_.insert(key).second) {
+    return;
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
+  at::NoGradGuard no_grad;
+  // The whole storage as bytes: every view of it is restored.
+  auto bytes = at::empty({0}, t.options().dtype(at::kByte));
+  bytes.set_(t.storage(), 0, {static_cast<int64_t>(t.storage().nbytes())}, {1});
+  snapshots_.emplace_back(bytes, bytes.clone());
+}
+
+void RestoreStateGuard::handle(const InterceptScope& scope, const c10::OperatorHandle& op,
+                               c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const size_t base = stack->size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    // native_batch_norm (and cudnn/miopen_batch_norm) write their running
+    // statistics without saying so in the schema ("Tensor? running_mean").
+    const bool hidden_write = args[i].name() == "running_mean" || args[i].name() == "running_var";
+    if ((alias == nullptr || !alias->isWrite()) && !hidden_write) {
+      continue;
+    }
+    const auto& v = (*stack)[base + i];
+    if (v.isTensor()) {
+      snapshot(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const auto& t : v.toTensorVector()) {
+        snapshot(t);
+      }
+    }
+  }
+  scope.call_next(op, ks, stack);
+  const auto& returns = schema.returns();
+  const size_t out = stack->size() - returns.size();
+  auto remember = [&](const at::Tensor& t) {
+    if (t.defined() && t.has_storage()) {
+      created_.insert(t.storage().unsafeGetStorageImpl());
+    }
+  };
+  for (size_t i = 0; i < returns.size(); ++i) {
+    if (returns[i].alias_info() != nullptr) {
+      continue;  // a view or the written argument: not a new storage
+    }
+    const auto& v = (*stack)[out + i];
+    if (v.isTensor()) {
+      remember(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const auto& t : v.toTensorVector()) {
+        remember(t);
+      }
+    }
   }
 }
 
@@ -287,6 +406,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
       AutocastGuard autocast(autocast_);
       ForkRng rng(options_.preserve_rng_state() ? &rng_ : nullptr, args);
       ContextToken token = recompute_context_ ? recompute_context_() : nullptr;
+      detail::RestoreStateGuard restore;  // innermost: Note [Recompute does not change state]
       (void)fn_(args);
     } catch (const StopRecomputation&) {
       // early stop: every tensor backward needs exists
@@ -444,6 +564,7 @@ struct ReentrantCheckpointFunction
       at::AutoGradMode grad(true);
       AutocastGuard autocast(state.autocast);
       ForkRng rng(state.preserve_rng_state ? &state.rng : nullptr, detached);
+      detail::RestoreStateGuard restore;  // Note [Recompute does not change state]
       outputs = state.fn(detached);
     }
     std::vector<at::Tensor> roots, grads;

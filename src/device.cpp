@@ -1,5 +1,6 @@
 #include "trainmem/device.h"
 
+#include <ATen/Context.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -31,6 +32,21 @@ c10::DeviceIndex cuda_index(const c10::Device& device) {
   return device.has_index() ? device.index() : 0;
 }
 
+// Note [Initialise CUDA before reading its allocator]
+// The CUDA caching allocator sizes its per-device tables when CUDA is first
+// initialised (the first CUDA tensor, or lazyInitDevice). Before that,
+// getDeviceStats(i) and resetPeakStats(i) index an empty table, and memory
+// history has no allocator to attach to: a profiler that starts before the
+// model is moved to the GPU must initialise CUDA itself.
+c10::DeviceAllocator* cuda_allocator() {
+  at::globalContext().lazyInitDevice(c10::kCUDA);
+  auto* allocator = c10::getDeviceAllocator(c10::kCUDA);
+  TORCH_CHECK(allocator != nullptr && allocator->initialized(),
+              "device_memory_stats: LibTorch's CUDA caching allocator is not initialised after CUDA "
+              "initialisation (is PYTORCH_NO_CUDA_MEMORY_CACHING set?)");
+  return allocator;
+}
+
 void check_supported(const c10::Device& device) {
   TORCH_CHECK(
       device.is_cpu() || device.is_cuda(),
@@ -59,7 +75,7 @@ DeviceMemoryStats device_memory_stats(const c10::Device& device) {
   }
   check_cuda_device(device);
   const auto index = cuda_index(device);
-  const auto s = c10::getDeviceAllocator(c10::kCUDA)->getDeviceStats(index);
+  const auto s = cuda_allocator()->getDeviceStats(index);
   constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
   out.device = fmt::format("cuda:{}", index);
   out.allocated_bytes = s.allocated_bytes[kAll].current;
@@ -89,7 +105,7 @@ void reset_peak(const c10::Device& device) {
     return;
   }
   check_cuda_device(device);
-  c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(cuda_index(device));
+  cuda_allocator()->resetPeakStats(cuda_index(device));
 }
 
 // Note [Fragmentation hints]
@@ -160,8 +176,12 @@ void start_cuda_memory_history(int64_t max_entries) {
       "start_cuda_memory_history: expected max_entries > 0, but got ", max_entries);
   check_history();
 #ifdef TRAINMEM_WITH_CUDA
+  // Note [Initialise CUDA before reading its allocator]. Stacks: LibTorch
+  // accepts "python" or "all" only ("cpp" throws); "all" records C++ frames,
+  // and Python frames when there is an interpreter.
+  cuda_allocator();
   torch::cuda::_record_memory_history(
-      std::optional<std::string>("all"), std::optional<std::string>("all"), "cpp",
+      std::optional<std::string>("all"), std::optional<std::string>("all"), "all",
       static_cast<size_t>(max_entries));
 #endif
 }
@@ -169,6 +189,7 @@ void start_cuda_memory_history(int64_t max_entries) {
 void stop_cuda_memory_history() {
   check_history();
 #ifdef TRAINMEM_WITH_CUDA
+  cuda_allocator();
   torch::cuda::_record_memory_history(std::optional<std::string>(), std::optional<std::string>(), "all");
 #endif
 }
@@ -176,6 +197,7 @@ void stop_cuda_memory_history() {
 std::string cuda_memory_snapshot() {
   check_history();
 #ifdef TRAINMEM_WITH_CUDA
+  cuda_allocator();
   return torch::cuda::_memory_snapshot_pickled();
 #else
   return {};

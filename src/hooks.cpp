@@ -4,6 +4,7 @@
 #include <atomic>
 #include <functional>
 #include <mutex>
+#include <string_view>
 #include <unordered_set>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
 #include "detail/backward_listener.h"
+#include "detail/save_observer.h"
 #include "detail/thread_id.h"
 
 // Note [Saved-tensor hooks]
@@ -31,8 +33,9 @@ namespace {
 
 struct Frame {
   uint64_t id;
-  std::shared_ptr<SavedTensorHooks> hooks; // null for a disable frame
+  std::shared_ptr<SavedTensorHooks> hooks; // null for a disable or observer frame
   std::string disabled_message;            // set only for a disable frame
+  std::shared_ptr<detail::SaveObserver> observer; // set only for an observer frame
 };
 
 thread_local std::vector<Frame> tls_frames;
@@ -74,6 +77,59 @@ class HooksAdapter final : public torch::autograd::SavedVariableHooks {
   std::any packed_;
 };
 
+// Note [Meters observe, hooks pack]
+// A meter must count what autograd saves whatever hooks pack it (offload to
+// the host, a user's own pair), and must never change what is kept. So a
+// meter is an observer frame, not a hooks frame: the innermost hooks frame
+// (or none: a plain save) packs, and the innermost observer is told what
+// was saved and what now holds its bytes (SavedTensorHooks::packed_tensor).
+// Checkpoint's hooks keep no tensor, so their saves are not counted (the
+// region's inputs are, through their own SavedVariables).
+struct Plain {
+  at::Tensor tensor;
+  int64_t version;
+};
+
+class ObservedAdapter final : public torch::autograd::SavedVariableHooks {
+ public:
+  ObservedAdapter(std::shared_ptr<SavedTensorHooks> hooks, std::shared_ptr<detail::SaveObserver> observer)
+      : hooks_(std::move(hooks)), observer_(std::move(observer)) {}
+  void call_pack_hook(const at::Tensor& tensor) override {
+    at::Tensor kept;
+    if (hooks_) {
+      packed_ = hooks_->pack(tensor);
+      kept = hooks_->packed_tensor(packed_);
+    } else {
+      // tensor_data() drops the autograd metadata (no reference cycle through
+      // a saved output) and shares the version counter, so unpack can still
+      // catch in-place modification, which autograd stops checking once hooks
+      // are set.
+      kept = tensor.tensor_data();
+      packed_ = Plain{kept, tensor._version()};
+    }
+    observer_->on_save(tensor, kept);
+    observer_.reset();  // only the pack is observed
+  }
+  at::Tensor call_unpack_hook() override {
+    if (hooks_) {
+      return hooks_->unpack(packed_);
+    }
+    const auto& p = std::any_cast<const Plain&>(packed_);
+    TORCH_CHECK(
+        p.tensor._version() == p.version,
+        "one of the variables needed for gradient computation has been "
+        "modified by an inplace operation: [",
+        p.tensor.toString(), " ", p.tensor.sizes(), "] is at version ",
+        p.tensor._version(), "; expected version ", p.version, " instead.");
+    return p.tensor;
+  }
+
+ private:
+  std::shared_ptr<SavedTensorHooks> hooks_;
+  std::shared_ptr<detail::SaveObserver> observer_;
+  std::any packed_;
+};
+
 class HooksEngine final : public torch::autograd::Engine {
  public:
   std::unique_ptr<torch::autograd::SavedVariableHooks>
@@ -82,10 +138,23 @@ class HooksEngine final : public torch::autograd::Engine {
       return nullptr;
     }
     drop_orphans();
-    if (tls_frames.empty() || !tls_frames.back().hooks) {
+    // The innermost packing frame (hooks or disable) and innermost observer.
+    const Frame* packer = nullptr;
+    const Frame* observer = nullptr;
+    for (auto it = tls_frames.rbegin(); it != tls_frames.rend() && (!packer || !observer); ++it) {
+      if (it->observer) {
+        observer = observer ? observer : &*it;
+      } else {
+        packer = packer ? packer : &*it;
+      }
+    }
+    if (observer != nullptr) {
+      return std::make_unique<ObservedAdapter>(packer ? packer->hooks : nullptr, observer->observer);
+    }
+    if (packer == nullptr || !packer->hooks) {
       return nullptr;
     }
-    return std::make_unique<HooksAdapter>(tls_frames.back().hooks);
+    return std::make_unique<HooksAdapter>(packer->hooks);
   }
 
   // Note [Phases from the engine]
@@ -117,9 +186,14 @@ class HooksEngine final : public torch::autograd::Engine {
 
 thread_local int HooksEngine::depth = 0;
 
+struct Listener {
+  int64_t id;
+  uint64_t thread;  // detail::this_thread_id() of the thread it listens to
+  std::function<void(bool)> fn;
+};
 std::mutex listeners_mutex;
-std::vector<std::pair<int64_t, std::function<void(bool)>>>& listeners() {
-  static auto* l = new std::vector<std::pair<int64_t, std::function<void(bool)>>>();
+std::vector<Listener>& listeners() {
+  static auto* l = new std::vector<Listener>();
   return *l;
 }
 std::atomic<int64_t> num_listeners{0};
@@ -128,10 +202,17 @@ void HooksEngine::notify(bool begin) {
   if (num_listeners.load(std::memory_order_relaxed) == 0) {
     return;
   }
+  // Only this thread's listeners: an audit on another thread must not see
+  // this backward. The lock is held while they run, so a listener removed
+  // (from any thread) is never called afterwards.
+  const uint64_t thread = detail::this_thread_id();
   std::lock_guard<std::mutex> lock(listeners_mutex);
-  for (const auto& [id, fn] : listeners()) {
+  for (const auto& l : listeners()) {
+    if (l.thread != thread) {
+      continue;
+    }
     try {
-      fn(begin);
+      l.fn(begin);
     } catch (...) {
       // a listener must never break the backward it observes
     }
@@ -189,7 +270,7 @@ uint64_t push_frame(Frame frame) {
   drop_orphans();
   for (const auto& f : tls_frames) {
     TORCH_CHECK(
-        f.hooks || frame.hooks == nullptr,
+        f.hooks || f.observer || frame.hooks == nullptr,
         f.disabled_message.empty()
             ? std::string(
                   "Saved-tensor hooks are disabled here by a "
@@ -205,11 +286,15 @@ uint64_t push_frame(Frame frame) {
 void pop_frame(uint64_t id, uint64_t owner_thread, const char* guard) noexcept {
   try {
     if (owner_thread != detail::this_thread_id()) {
-      TORCH_WARN(
-          guard, " destroyed on thread ", detail::this_thread_id(),
-          " but created on thread ", owner_thread,
-          "; its hooks are removed from the creating thread the next time it "
-          "saves a tensor. Destroy guards on the thread that made them.");
+      // A meter's frame may be dropped from any thread (an Audit destroyed
+      // elsewhere): that is supported, so it is not warned about.
+      if (std::string_view(guard) != "SaveObserverGuard") {
+        TORCH_WARN(
+            guard, " destroyed on thread ", detail::this_thread_id(),
+            " but created on thread ", owner_thread,
+            "; its hooks are removed from the creating thread the next time it "
+            "saves a tensor. Destroy guards on the thread that made them.");
+      }
       std::lock_guard<std::mutex> lock(orphan_mutex);
       orphan_ids.insert(id);
       num_orphans.fetch_add(1);
@@ -224,6 +309,12 @@ void pop_frame(uint64_t id, uint64_t owner_thread, const char* guard) noexcept {
       return f.id == id;
     });
     if (it != frames.end()) {
+      if (it->observer) {
+        // An observer packs nothing: ending it under an inner hooks guard (an
+        // audit's meter at a backward, inside a user's SaveOnCpuGuard) is fine.
+        frames.erase(it);
+        return;
+      }
       TORCH_WARN(
           guard,
           " destroyed out of order (an inner guard is still alive); removing "
@@ -241,7 +332,7 @@ SavedTensorHooksGuard::SavedTensorHooksGuard(
     std::shared_ptr<SavedTensorHooks> hooks)
     : id_(0), thread_(detail::this_thread_id()) {
   TORCH_CHECK(hooks != nullptr, "SavedTensorHooksGuard: hooks must not be null");
-  id_ = push_frame(Frame{0, std::move(hooks), {}});
+  id_ = push_frame(Frame{0, std::move(hooks), {}, nullptr});
 }
 
 SavedTensorHooksGuard::SavedTensorHooksGuard(PackHook pack, UnpackHook unpack)
@@ -251,7 +342,7 @@ SavedTensorHooksGuard::SavedTensorHooksGuard(PackHook pack, UnpackHook unpack)
   TORCH_CHECK(
       static_cast<bool>(unpack), "SavedTensorHooksGuard: unpack hook is empty");
   id_ = push_frame(Frame{
-      0, std::make_shared<LambdaHooks>(std::move(pack), std::move(unpack)), {}});
+      0, std::make_shared<LambdaHooks>(std::move(pack), std::move(unpack)), {}, nullptr});
 }
 
 SavedTensorHooksGuard::~SavedTensorHooksGuard() {
@@ -261,11 +352,18 @@ SavedTensorHooksGuard::~SavedTensorHooksGuard() {
 DisableSavedTensorHooksGuard::DisableSavedTensorHooksGuard(
     std::string error_message)
     : id_(0), thread_(detail::this_thread_id()) {
-  id_ = push_frame(Frame{0, nullptr, std::move(error_message)});
+  id_ = push_frame(Frame{0, nullptr, std::move(error_message), nullptr});
 }
 
 DisableSavedTensorHooksGuard::~DisableSavedTensorHooksGuard() {
   pop_frame(id_, thread_, "DisableSavedTensorHooksGuard");
+}
+
+at::Tensor SavedTensorHooks::packed_tensor(const std::any& packed) const {
+  if (const auto* t = std::any_cast<at::Tensor>(&packed)) {
+    return *t;
+  }
+  return at::Tensor();
 }
 
 bool saved_tensor_hooks_available() {
@@ -275,18 +373,28 @@ bool saved_tensor_hooks_available() {
 
 int64_t num_active_saved_tensor_hooks() {
   drop_orphans();
-  return static_cast<int64_t>(tls_frames.size());
+  return std::count_if(tls_frames.begin(), tls_frames.end(), [](const Frame& f) { return !f.observer; });
 }
 
 } // namespace trainmem
 
 namespace trainmem::detail {
 
+SaveObserverGuard::SaveObserverGuard(std::shared_ptr<SaveObserver> observer)
+    : id_(0), thread_(this_thread_id()) {
+  TORCH_CHECK(observer != nullptr, "SaveObserverGuard: observer must not be null");
+  id_ = push_frame(Frame{0, nullptr, {}, std::move(observer)});
+}
+
+SaveObserverGuard::~SaveObserverGuard() {
+  pop_frame(id_, thread_, "SaveObserverGuard");
+}
+
 int64_t add_backward_listener(std::function<void(bool begin)> fn) {
   static std::atomic<int64_t> next_id{1};
   const int64_t id = next_id.fetch_add(1);
   std::lock_guard<std::mutex> lock(listeners_mutex);
-  listeners().emplace_back(id, std::move(fn));
+  listeners().push_back(Listener{id, this_thread_id(), std::move(fn)});
   num_listeners.fetch_add(1);
   return id;
 }
@@ -294,7 +402,7 @@ int64_t add_backward_listener(std::function<void(bool begin)> fn) {
 void remove_backward_listener(int64_t id) {
   std::lock_guard<std::mutex> lock(listeners_mutex);
   auto& l = listeners();
-  auto it = std::find_if(l.begin(), l.end(), [id](const auto& e) { return e.first == id; });
+  auto it = std::find_if(l.begin(), l.end(), [id](const auto& e) { return e.id == id; });
   if (it != l.end()) {
     l.erase(it);
     num_listeners.fetch_sub(1);

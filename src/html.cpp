@@ -18,6 +18,7 @@ namespace {
 
 // Stacking order (bottom first) and colours.
 constexpr std::array<std::pair<Category, const char*>, kNumCategories> kStack = {{
+    {Category::kBeforeAudit, "#e4e1dc"},
     {Category::kParameter, "#4e79a7"},
     {Category::kGradient, "#f28e2b"},
     {Category::kOptimizerState, "#59a14f"},
@@ -52,16 +53,21 @@ std::string escape(const std::string& s) {
   return out;
 }
 
-std::string svg_plot(const AuditReport& r) {
+// `with_baseline` false: the "before the audit" bytes are left out and the
+// axis rescaled, so a step's own memory fills the plot.
+std::string svg_plot(const AuditReport& r, bool with_baseline) {
   constexpr double kW = 960, kH = 320, kLeft = 80, kRight = 20, kTop = 16, kBottom = 36;
   if (r.series.size() < 2) {
     return "<p>No timeline was recorded (CUDA audits, or timeline off).</p>\n";
   }
   const double t0 = static_cast<double>(r.series.front().time_ns);
   const double t1 = std::max(static_cast<double>(r.series.back().time_ns), t0 + 1);
+  const auto shown = [&](const TimelinePoint& p) {
+    return p.total_bytes() - (with_baseline ? 0 : p.bytes[static_cast<int>(Category::kBeforeAudit)]);
+  };
   int64_t ymax = 1;
   for (const auto& p : r.series) {
-    ymax = std::max(ymax, p.total_bytes());
+    ymax = std::max(ymax, shown(p));
   }
   const double pw = kW - kLeft - kRight, ph = kH - kTop - kBottom;
   auto x = [&](double t) { return kLeft + (t - t0) / (t1 - t0) * pw; };
@@ -80,11 +86,14 @@ std::string svg_plot(const AuditReport& r) {
     svg += fmt::format(
         "<rect x=\"{:.1f}\" y=\"{}\" width=\"{:.1f}\" height=\"{}\" fill=\"{}\">"
         "<title>step {} {}: peak {} B</title></rect>\n",
-        a, kTop, b - a, ph, phase_colour(p.phase), p.step, phase_name(p.phase), with_commas(p.peak_bytes));
+        a, kTop, b - a, ph, phase_colour(p.phase), p.step, escape(span_label(p)), with_commas(p.peak_bytes));
   }
   // One polygon per category between the cumulative sums below and above it.
   std::vector<double> below(r.series.size(), 0.0);
   for (const auto& [cat, colour] : kStack) {
+    if (!with_baseline && cat == Category::kBeforeAudit) {
+      continue;
+    }
     std::vector<double> above = below;
     bool any = false;
     for (size_t i = 0; i < r.series.size(); ++i) {
@@ -148,7 +157,8 @@ std::string to_html(const AuditReport& r) {
   h += "<style>body{font:14px sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0 20px}"
        "td,th{border:1px solid #ccc;padding:3px 8px}td.n{text-align:right;font-family:monospace}"
        ".legend span{margin-right:12px}.legend i{display:inline-block;width:12px;height:12px;margin-right:4px;"
-       "vertical-align:middle}</style>\n</head>\n<body>\n";
+       "vertical-align:middle}#hide-baseline:checked~.with-baseline{display:none}"
+       "#hide-baseline:not(:checked)~.without-baseline{display:none}</style>\n</head>\n<body>\n";
   h += fmt::format("<h1>trainmem audit: {} on {}</h1>\n", escape(r.title), escape(r.device));
   if (!r.config.empty()) {
     h += "<p>";
@@ -157,7 +167,20 @@ std::string to_html(const AuditReport& r) {
     }
     h += "</p>\n";
   }
-  h += "<h2>Live bytes over time, by category</h2>\n" + svg_plot(r);
+  h += "<h2>Live bytes over time, by category</h2>\n";
+  bool baseline = false;
+  for (const auto& p : r.series) {
+    baseline = baseline || p.bytes[static_cast<int>(Category::kBeforeAudit)] != 0;
+  }
+  if (baseline) {
+    // No script may run (Note [Self-contained HTML]): a checkbox and CSS
+    // switch between the plot with and without the baseline.
+    h += "<input type=\"checkbox\" id=\"hide-baseline\"><label for=\"hide-baseline\"> hide the bytes live "
+         "before the audit (baseline)</label>\n<div class=\"with-baseline\">\n" +
+         svg_plot(r, true) + "</div>\n<div class=\"without-baseline\">\n" + svg_plot(r, false) + "</div>\n";
+  } else {
+    h += svg_plot(r, true);
+  }
 
   auto num = [](int64_t v) { return "<td class=\"n\">" + with_commas(v) + "</td>"; };
   h += fmt::format("<h2>Static buckets ({} parameters)</h2>\n<table>\n", with_commas(r.num_params));
@@ -171,10 +194,24 @@ std::string to_html(const AuditReport& r) {
 
   h += "<h2>Steps</h2>\n<table>\n";
   h += row({"step", "time ms", "peak B", "forward peak B", "backward peak B", "optimizer peak B", "saved B"}, true);
-  for (const auto& s : r.steps) {
+  const bool summarize = static_cast<int64_t>(r.steps.size()) > kMaxStepRows;
+  for (size_t i = 0; i < (summarize ? 3 : r.steps.size()); ++i) {
+    const auto& s = r.steps[i];
     h += fmt::format("<tr><td>{}</td><td class=\"n\">{:.1f}</td>", s.step, s.time_ms) + num(s.peak_bytes) +
          num(s.forward_peak_bytes) + num(s.backward_peak_bytes) + num(s.optimizer_peak_bytes) +
          num(s.saved_activation_bytes) + "</tr>\n";
+  }
+  if (summarize) {
+    const auto sum = summarize_steps(r.steps);
+    h += fmt::format("<tr><th colspan=\"7\">{} steps in all</th></tr>\n", sum.num_steps);
+    const std::pair<const char*, int64_t StepStat::*> stats[] = {
+        {"min", &StepStat::min}, {"median", &StepStat::median}, {"max", &StepStat::max}};
+    for (const auto& [label, f] : stats) {
+      h += fmt::format("<tr><td>{}</td><td class=\"n\">{:.1f}</td>", label,
+                       static_cast<double>(sum.time_us.*f) / 1000.0) +
+           num(sum.peak_bytes.*f) + num(sum.forward_peak_bytes.*f) + num(sum.backward_peak_bytes.*f) +
+           num(sum.optimizer_peak_bytes.*f) + num(sum.saved_activation_bytes.*f) + "</tr>\n";
+    }
   }
   h += "</table>\n";
   int64_t at_peak = 0;
@@ -192,7 +229,12 @@ std::string to_html(const AuditReport& r) {
     h += "</table>\n";
   }
 
-  h += fmt::format("<h2>Saved for backward: {} B</h2>\n<table>\n", with_commas(r.saved_activation_bytes));
+  h += fmt::format("<h2>Saved for backward: {} B</h2>\n", with_commas(r.saved_activation_bytes));
+  if (r.saved_host_bytes > 0) {
+    h += fmt::format("<p>{} B stay on the device, {} B are offloaded to the host.</p>\n",
+                     with_commas(r.saved_device_bytes), with_commas(r.saved_host_bytes));
+  }
+  h += "<table>\n";
   h += row({"autograd node", "bytes", "tensors"}, true);
   const size_t top = std::min<size_t>(r.saved_by_node.size(), 15);
   for (size_t i = 0; i < top; ++i) {

@@ -1,6 +1,7 @@
 // The memory_viz pickle of a CPU timeline (report.h: to_memory_viz_pickle).
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <unordered_map>
 
@@ -124,8 +125,27 @@ Json frames_for(const MemoryEvent& e) {
                                             phase_name(e.phase), e.step)}}});
 }
 
+// PyTorch's own snapshots of profiler data (torch.cuda._memory_viz,
+// _profile_to_snapshot) put the category on each alloc, lowercase; the viewer
+// colours by it.
+std::string category_key(Category c) {
+  std::string name = category_name(c);
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  return name;
+}
+
 } // namespace
 
+// Note [CPU blocks as memory_viz segments]
+// The CPU allocator has no segments, so each block is its own: every alloc is
+// preceded by a segment_alloc of the same address and size, and every free is
+// followed by a segment_free. memory_viz's "Allocator State History" replays
+// the trace backwards from the final `segments` and needs both to find each
+// block's segment. A zero-byte block is a block too: the timeline's sign
+// cannot tell its alloc from its free (both are 0 B), so the first event at
+// an address not live is its alloc and the next its free. A free whose alloc
+// came before recording still gets its segment_free: replayed backwards, the
+// block was live from the start.
 std::string to_memory_viz_pickle(const Timeline& timeline) {
   Json trace = Json::array();
   std::unordered_map<uint64_t, const MemoryEvent*> live;
@@ -133,19 +153,28 @@ std::string to_memory_viz_pickle(const Timeline& timeline) {
     if (e.address == 0) {
       continue;  // bytes seen between steps, not a block
     }
-    const double time_us = static_cast<double>(e.time_ns) / 1000.0;
-    const int64_t size = e.bytes > 0 ? e.bytes : -e.bytes;
+    const auto time_us = static_cast<int64_t>(static_cast<double>(e.time_ns) / 1000.0);
+    const auto it = live.find(e.address);
+    const bool is_alloc = e.bytes > 0 || (e.bytes == 0 && it == live.end());
+    // A free's size and category are those of its alloc when it was recorded.
+    const MemoryEvent& origin = (!is_alloc && it != live.end()) ? *it->second : e;
+    const int64_t size = origin.bytes > 0 ? origin.bytes : -origin.bytes;
     auto entry = [&](const char* action) {
-      return Json{{"action", action}, {"addr", e.address}, {"size", size},     {"stream", 0},
-                  {"time_us", static_cast<int64_t>(time_us)}, {"frames", frames_for(e)}};
+      return Json{{"action", action}, {"addr", e.address},   {"size", size},
+                  {"stream", 0},      {"time_us", time_us},  {"frames", frames_for(origin)},
+                  {"category", category_key(origin.category)}};
     };
-    if (e.bytes > 0) {
+    if (is_alloc) {
+      trace.push_back(entry("segment_alloc"));
       trace.push_back(entry("alloc"));
       live[e.address] = &e;
     } else {
       trace.push_back(entry("free_requested"));
       trace.push_back(entry("free_completed"));
-      live.erase(e.address);
+      trace.push_back(entry("segment_free"));
+      if (it != live.end()) {
+        live.erase(it);
+      }
     }
   }
   // The CPU allocator has no segments: each block still live is its own,
@@ -159,7 +188,8 @@ std::string to_memory_viz_pickle(const Timeline& timeline) {
   Json segments = Json::array();
   for (const auto* e : blocks) {
     Json block = {{"address", e->address}, {"size", e->bytes}, {"requested_size", e->bytes},
-                  {"state", "active_allocated"}, {"frames", frames_for(*e)}};
+                  {"state", "active_allocated"}, {"frames", frames_for(*e)},
+                  {"category", category_key(e->category)}};
     segments.push_back({{"device", 0},
                         {"address", e->address},
                         {"total_size", e->bytes},

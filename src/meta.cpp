@@ -9,6 +9,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/core/Reduction.h>
+#include <ATen/native/Pool.h>
 #include <c10/core/WrapDimMinimal.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/TensorOptions.h>
@@ -156,6 +158,280 @@ at::Tensor& randperm_out_meta(int64_t n, std::optional<at::Generator>, at::Tenso
   return out;
 }
 
+// Note [Meta kernels for conv nets]
+// Convolution, batch norm, 3-D max pooling, adaptive average pooling, the
+// dense embedding backward and the 2-D nll loss have CPU kernels and Python
+// meta registrations only (convolution's composite kernel picks a backend by
+// device and ends in `convolution_overrideable not implemented` on meta). Ours
+// return what the CPU kernels return: the same sizes, dtypes and memory
+// formats (so views, saved tensors and byte counts downstream are the CPU's).
+// They reproduce the CPU's layout rules, which the meta tests check op by op
+// against real CPU calls:
+// - convolution: channels-last out (and grads) when the input or the weight
+//   suggests channels-last (mkldnn_conv_use_channels_last), else contiguous;
+// - batch norm: output in the input's suggested format; save_mean/invstd [C]
+//   in training, [0] in eval, in the parameters' dtype (float for bf16 input
+//   with float parameters);
+// - pooling: output (and indices, int64) in the input's suggested format.
+
+// A list argument of `n` entries given as 1 (broadcast) or n values.
+std::vector<int64_t> expand_arg(at::IntArrayRef v, size_t n, const char* op, const char* name,
+                                int64_t if_empty) {
+  if (v.empty()) {
+    return std::vector<int64_t>(n, if_empty);
+  }
+  if (v.size() == 1) {
+    return std::vector<int64_t>(n, v[0]);
+  }
+  TORCH_CHECK(v.size() == n, op, " (meta): expected ", name, " to have 1 or ", n, " values, but got ",
+              v.size());
+  return v.vec();
+}
+
+bool suggests_channels_last(const at::Tensor& t) {
+  const auto f = t.suggest_memory_format();
+  return f == at::MemoryFormat::ChannelsLast || f == at::MemoryFormat::ChannelsLast3d;
+}
+
+// The CPU convolution backends' memory format (determine_backend_memory_format).
+at::MemoryFormat conv_memory_format(const at::Tensor& input, const at::Tensor& weight) {
+  const bool cl = input.scalar_type() != at::kDouble && weight.scalar_type() != at::kDouble &&
+      (suggests_channels_last(input) || suggests_channels_last(weight));
+  if (!cl) {
+    return at::MemoryFormat::Contiguous;
+  }
+  if (input.dim() == 4) {
+    return at::MemoryFormat::ChannelsLast;
+  }
+  if (input.dim() == 5) {
+    return at::MemoryFormat::ChannelsLast3d;
+  }
+  return at::MemoryFormat::Contiguous;
+}
+
+at::Tensor convolution_meta(const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+                            at::IntArrayRef output_padding, int64_t groups) {
+  const int64_t k = input.dim();
+  TORCH_CHECK(k >= 3 && k <= 5, "convolution (meta): expected a 3-D, 4-D or 5-D input, but got ",
+              k, "-D of size ", input.sizes());
+  TORCH_CHECK(weight.dim() == k, "convolution (meta): expected a ", k, "-D weight for a ", k,
+              "-D input, but got weight of size ", weight.sizes());
+  TORCH_CHECK(groups > 0, "convolution (meta): expected groups > 0, but got ", groups);
+  const size_t n = static_cast<size_t>(k - 2);
+  const auto st = expand_arg(stride, n, "convolution", "stride", 1);
+  const auto pad = expand_arg(padding, n, "convolution", "padding", 0);
+  const auto dil = expand_arg(dilation, n, "convolution", "dilation", 1);
+  const auto opad = expand_arg(output_padding, n, "convolution", "output_padding", 0);
+  std::vector<int64_t> out{input.size(0)};
+  if (transposed) {
+    TORCH_CHECK(input.size(1) == weight.size(0),
+                "convolution (meta): transposed weight of size ", weight.sizes(), " expects ",
+                weight.size(0), " input channels, but got input of size ", input.sizes());
+    out.push_back(weight.size(1) * groups);
+  } else {
+    TORCH_CHECK(input.size(1) == weight.size(1) * groups, "convolution (meta): weight of size ",
+                weight.sizes(), " and groups=", groups, " expect ", weight.size(1) * groups,
+                " input channels, but got input of size ", input.sizes());
+    out.push_back(weight.size(0));
+  }
+  for (size_t d = 0; d < n; ++d) {
+    const int64_t in = input.size(d + 2);
+    const int64_t ks = weight.size(d + 2);
+    int64_t o = 0;
+    if (transposed) {
+      o = (in - 1) * st[d] - 2 * pad[d] + dil[d] * (ks - 1) + opad[d] + 1;
+    } else {
+      o = (in + 2 * pad[d] - dil[d] * (ks - 1) - 1) / st[d] + 1;
+    }
+    TORCH_CHECK(o > 0, "convolution (meta): input of size ", input.sizes(),
+                " gives an output size of ", o, " in spatial dim ", d, " (too small)");
+    out.push_back(o);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out[1], "convolution (meta): expected a bias of ", out[1],
+                " elements, but got ", bias->numel());
+  }
+  return at::empty(out, input.options().memory_format(conv_memory_format(input, weight)));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_meta(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::OptionalIntArrayRef bias_sizes, at::IntArrayRef /*stride*/, at::IntArrayRef /*padding*/,
+    at::IntArrayRef /*dilation*/, bool transposed, at::IntArrayRef /*output_padding*/,
+    int64_t groups, std::array<bool, 3> output_mask) {
+  const auto format = conv_memory_format(input, weight);
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) {
+    grad_input = at::empty(input.sizes(), grad_output.options().memory_format(format));
+  }
+  if (output_mask[1]) {
+    grad_weight = at::empty(weight.sizes(), weight.options().memory_format(format));
+  }
+  if (output_mask[2]) {
+    const int64_t channels = bias_sizes.has_value() && !bias_sizes->empty()
+        ? (*bias_sizes)[0]
+        : (transposed ? weight.size(1) * groups : weight.size(0));
+    grad_bias = at::empty({channels}, grad_output.options());
+  }
+  return {grad_input, grad_weight, grad_bias};
+}
+
+// The dtype of batch norm's saved statistics and parameter gradients.
+at::ScalarType batch_norm_param_dtype(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& running_mean) {
+  if (weight.has_value() && weight->defined()) {
+    return weight->scalar_type();
+  }
+  if (running_mean.has_value() && running_mean->defined()) {
+    return running_mean->scalar_type();
+  }
+  return input.scalar_type();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm_meta(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& /*bias*/, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& /*running_var*/, bool training, double /*momentum*/,
+    double /*eps*/) {
+  TORCH_CHECK(input.dim() >= 2, "batch_norm (meta): expected an input of at least 2 dims, but got ",
+              input.sizes());
+  const auto stats = input.options().dtype(batch_norm_param_dtype(input, weight, running_mean));
+  auto out = at::empty(input.sizes(), input.options().memory_format(input.suggest_memory_format()));
+  const int64_t c = training ? input.size(1) : 0;
+  return {out, at::empty({c}, stats), at::empty({c}, stats)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& /*running_var*/,
+    const std::optional<at::Tensor>& /*save_mean*/, const std::optional<at::Tensor>& /*save_invstd*/,
+    bool /*train*/, double /*eps*/, std::array<bool, 3> mask) {
+  at::Tensor dx, dw, db;
+  if (mask[0]) {
+    dx = at::empty(input.sizes(), grad_out.options().memory_format(input.suggest_memory_format()));
+  }
+  const auto stats = input.options().dtype(batch_norm_param_dtype(input, weight, running_mean));
+  if (mask[1]) {
+    dw = at::empty({input.size(1)}, stats);
+  }
+  if (mask[2]) {
+    db = at::empty({input.size(1)}, stats);
+  }
+  return {dx, dw, db};
+}
+
+// Pooling over the last `n` dims of a (N, C, ...) or (C, ...) input.
+std::vector<int64_t> pooled_sizes(const at::Tensor& self, size_t n, at::IntArrayRef kernel_size,
+                                  at::IntArrayRef stride, at::IntArrayRef padding,
+                                  at::IntArrayRef dilation, bool ceil_mode, const char* op) {
+  TORCH_CHECK(self.dim() == static_cast<int64_t>(n) + 1 || self.dim() == static_cast<int64_t>(n) + 2,
+              op, " (meta): expected a ", n + 1, "-D or ", n + 2, "-D input, but got ", self.sizes());
+  const auto ks = expand_arg(kernel_size, n, op, "kernel_size", 1);
+  const auto st = stride.empty() ? ks : expand_arg(stride, n, op, "stride", 1);
+  const auto pad = expand_arg(padding, n, op, "padding", 0);
+  const auto dil = expand_arg(dilation, n, op, "dilation", 1);
+  auto sizes = self.sizes().vec();
+  const size_t first = sizes.size() - n;
+  for (size_t d = 0; d < n; ++d) {
+    const int64_t o = at::native::pooling_output_shape<int64_t>(sizes[first + d], ks[d], pad[d], st[d],
+                                                               dil[d], ceil_mode);
+    TORCH_CHECK(o > 0, op, " (meta): input of size ", self.sizes(), " gives an output size of ", o,
+                " (too small)");
+    sizes[first + d] = o;
+  }
+  return sizes;
+}
+
+at::MemoryFormat pool_memory_format(const at::Tensor& self) {
+  return self.dim() >= 4 ? self.suggest_memory_format() : at::MemoryFormat::Contiguous;
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool3d_with_indices_meta(
+    const at::Tensor& self, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
+  const auto sizes =
+      pooled_sizes(self, 3, kernel_size, stride, padding, dilation, ceil_mode, "max_pool3d");
+  const auto format = self.dim() == 5 ? pool_memory_format(self) : at::MemoryFormat::Contiguous;
+  return {at::empty(sizes, self.options().memory_format(format)),
+          at::empty(sizes, self.options().dtype(at::kLong).memory_format(format))};
+}
+
+at::Tensor max_pool3d_with_indices_backward_meta(
+    const at::Tensor& /*grad_output*/, const at::Tensor& self, at::IntArrayRef /*kernel_size*/,
+    at::IntArrayRef /*stride*/, at::IntArrayRef /*padding*/, at::IntArrayRef /*dilation*/,
+    bool /*ceil_mode*/, const at::Tensor& /*indices*/) {
+  const auto format = self.dim() == 5 ? pool_memory_format(self) : at::MemoryFormat::Contiguous;
+  return at::empty(self.sizes(), self.options().memory_format(format));
+}
+
+at::Tensor adaptive_avg_pool_meta(const at::Tensor& self, at::IntArrayRef output_size, size_t n,
+                                  const char* op) {
+  TORCH_CHECK(output_size.size() == n, op, " (meta): expected output_size of ", n,
+              " values, but got ", output_size);
+  TORCH_CHECK(self.dim() == static_cast<int64_t>(n) + 1 || self.dim() == static_cast<int64_t>(n) + 2,
+              op, " (meta): expected a ", n + 1, "-D or ", n + 2, "-D input, but got ", self.sizes());
+  auto sizes = self.sizes().vec();
+  std::copy(output_size.begin(), output_size.end(), sizes.end() - static_cast<int64_t>(n));
+  return at::empty(sizes, self.options().memory_format(pool_memory_format(self)));
+}
+
+at::Tensor adaptive_avg_pool2d_meta(const at::Tensor& self, at::IntArrayRef output_size) {
+  return adaptive_avg_pool_meta(self, output_size, 2, "adaptive_avg_pool2d");
+}
+
+at::Tensor adaptive_avg_pool3d_meta(const at::Tensor& self, at::IntArrayRef output_size) {
+  return adaptive_avg_pool_meta(self, output_size, 3, "adaptive_avg_pool3d");
+}
+
+at::Tensor adaptive_avg_pool_backward_meta(const at::Tensor& /*grad_output*/, const at::Tensor& self) {
+  return at::empty(self.sizes(), self.options().memory_format(pool_memory_format(self)));
+}
+
+at::Tensor embedding_dense_backward_meta(const at::Tensor& grad_output, const at::Tensor& /*indices*/,
+                                         int64_t num_weights, int64_t /*padding_idx*/,
+                                         bool /*scale_grad_by_freq*/) {
+  return at::empty({num_weights, grad_output.size(-1)}, grad_output.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> nll_loss2d_forward_meta(
+    const at::Tensor& self, const at::Tensor& target, const std::optional<at::Tensor>& /*weight*/,
+    int64_t reduction, int64_t /*ignore_index*/) {
+  TORCH_CHECK(self.dim() == 4 && target.dim() == 3,
+              "nll_loss2d (meta): expected a 4-D input and a 3-D target, but got input of size ",
+              self.sizes(), " and target of size ", target.sizes());
+  auto out = reduction == at::Reduction::None ? at::empty(target.sizes(), self.options())
+                                              : at::empty({}, self.options());
+  return {out, at::empty({}, self.options())};
+}
+
+at::Tensor nll_loss2d_backward_meta(const at::Tensor& /*grad_output*/, const at::Tensor& self,
+                                    const at::Tensor& /*target*/,
+                                    const std::optional<at::Tensor>& /*weight*/,
+                                    int64_t /*reduction*/, int64_t /*ignore_index*/,
+                                    const at::Tensor& /*total_weight*/) {
+  return at::empty(self.sizes(), self.options());
+}
+
+at::Tensor mse_loss_backward_meta(const at::Tensor& grad_output, const at::Tensor& self,
+                                  const at::Tensor& /*target*/, int64_t /*reduction*/) {
+  return at::empty(self.sizes(), grad_output.options().dtype(self.scalar_type()));
+}
+
+at::Tensor binary_cross_entropy_meta(const at::Tensor& self, const at::Tensor& /*target*/,
+                                     const std::optional<at::Tensor>& /*weight*/, int64_t reduction) {
+  return reduction == at::Reduction::None ? at::empty(self.sizes(), self.options())
+                                          : at::empty({}, self.options());
+}
+
+at::Tensor binary_cross_entropy_backward_meta(const at::Tensor& /*grad_output*/, const at::Tensor& self,
+                                              const at::Tensor& /*target*/,
+                                              const std::optional<at::Tensor>& /*weight*/,
+                                              int64_t /*reduction*/) {
+  return at::empty(self.sizes(), self.options());
+}
+
 void register_missing_meta_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -176,6 +452,33 @@ void register_missing_meta_kernels() {
       if (missing("aten::randperm", "generator_out")) {
         lib->impl("randperm.generator_out", TORCH_FN(randperm_out_meta));
       }
+      // Note [Meta kernels for conv nets]
+      auto add = [&](const char* name, const char* overload, auto fn) {
+        if (missing(name, overload)) {
+          std::string qualified = std::string(name).substr(6);  // without "aten::"
+          if (overload[0] != '\0') {
+            qualified += std::string(".") + overload;
+          }
+          lib->impl(qualified.c_str(), std::move(fn));
+        }
+      };
+      add("aten::convolution", "", TORCH_FN(convolution_meta));
+      add("aten::convolution_backward", "", TORCH_FN(convolution_backward_meta));
+      add("aten::native_batch_norm", "", TORCH_FN(native_batch_norm_meta));
+      add("aten::native_batch_norm_backward", "", TORCH_FN(native_batch_norm_backward_meta));
+      add("aten::max_pool3d_with_indices", "", TORCH_FN(max_pool3d_with_indices_meta));
+      add("aten::max_pool3d_with_indices_backward", "",
+          TORCH_FN(max_pool3d_with_indices_backward_meta));
+      add("aten::_adaptive_avg_pool2d", "", TORCH_FN(adaptive_avg_pool2d_meta));
+      add("aten::_adaptive_avg_pool2d_backward", "", TORCH_FN(adaptive_avg_pool_backward_meta));
+      add("aten::_adaptive_avg_pool3d", "", TORCH_FN(adaptive_avg_pool3d_meta));
+      add("aten::_adaptive_avg_pool3d_backward", "", TORCH_FN(adaptive_avg_pool_backward_meta));
+      add("aten::embedding_dense_backward", "", TORCH_FN(embedding_dense_backward_meta));
+      add("aten::nll_loss2d_forward", "", TORCH_FN(nll_loss2d_forward_meta));
+      add("aten::nll_loss2d_backward", "", TORCH_FN(nll_loss2d_backward_meta));
+      add("aten::mse_loss_backward", "", TORCH_FN(mse_loss_backward_meta));
+      add("aten::binary_cross_entropy", "", TORCH_FN(binary_cross_entropy_meta));
+      add("aten::binary_cross_entropy_backward", "", TORCH_FN(binary_cross_entropy_backward_meta));
     } catch (const std::exception& e) {
       TORCH_WARN("trainmem: could not add meta kernels (", e.what(), "); ops without one throw on meta");
     }
@@ -186,6 +489,54 @@ void register_missing_meta_kernels() {
 
 void register_meta_kernels() {
   register_missing_meta_kernels();
+}
+
+namespace {
+
+// The op a "no meta kernel" error names, or "" if it is not one. LibTorch
+// words it three ways: the dispatcher's "Could not run 'aten::x.overload'
+// with arguments from the 'Meta' backend", the fake-impl check's "aten::x:
+// attempted to run this operator with Meta tensors, but there was no fake
+// impl or Meta kernel registered", and a composite kernel's
+// "x_overrideable not implemented" (convolution before ours).
+std::string op_without_meta_kernel(const std::string& m) {
+  const std::string quoted = "Could not run '";
+  if (auto at = m.find(quoted); at != std::string::npos && m.find("'Meta' backend") != std::string::npos) {
+    const auto start = at + quoted.size();
+    const auto end = m.find('\'', start);
+    if (end != std::string::npos) {
+      return m.substr(start, end - start);
+    }
+  }
+  if (auto at = m.find(": attempted to run this operator with Meta tensors"); at != std::string::npos) {
+    auto start = m.find_last_of(" \n", at);
+    start = start == std::string::npos ? 0 : start + 1;
+    return m.substr(start, at - start);
+  }
+  if (auto over = m.find("_overrideable not implemented"); over != std::string::npos) {
+    auto start = m.find_last_of(" \n", over);
+    start = start == std::string::npos ? 0 : start + 1;
+    return "aten::" + m.substr(start, over - start);
+  }
+  return "";
+}
+
+} // namespace
+
+std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<void()>& run) {
+  TORCH_CHECK(static_cast<bool>(run), "find_missing_meta_kernel: the function is empty");
+  register_missing_meta_kernels();
+  try {
+    run();
+  } catch (const c10::Error& e) {
+    MissingMetaKernel missing{"", e.what_without_backtrace()};
+    missing.op = op_without_meta_kernel(missing.message);
+    if (missing.op.empty() && dynamic_cast<const c10::NotImplementedError*>(&e) == nullptr) {
+      throw;  // not about a missing kernel
+    }
+    return missing;
+  }
+  return std::nullopt;
 }
 
 struct MetaInitGuard::Impl : detail::InterceptHandler {

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -15,7 +16,22 @@
 #include <torch/nn/module.h>
 
 #include "detail/attribution.h"
+#include "detail/save_observer.h"
+#include "detail/thread_id.h"
 #include "trainmem/hooks.h"
+
+// Note [Naming TorchScript's graph nodes]
+// A TorchScript module run with grad soon executes differentiable graphs: one
+// interpreter op, with no RecordFunction of its own, that captures its inputs
+// (before running) and outputs (after) as saved variables of one
+// DifferentiableGraphBackward node, outside any ATen op. So saves made
+// outside any op and unlabelled form a group: it takes the node's name from
+// the first saved output whose grad_fn is a differentiable graph, collects
+// the names of the top-level ops that run meanwhile (the graph's ops, which
+// build no autograd graph themselves), and ends at the next op that builds
+// graph, at a save of another node, or when the scope ends:
+// "DifferentiableGraphBackward(aten::linear, aten::relu)". Without such a
+// node (a custom C++ autograd Function) the group is "CppFunction".
 
 // Note [Attributing saved tensors to autograd nodes]
 // A pack hook receives only the tensor: not the node being built. The node
@@ -59,6 +75,9 @@ struct MeterState {
   // lock at every op end, so the ops that save nothing (most) never lock.
   std::atomic<int64_t> pending_depth{-1};
   std::atomic<bool> active{false};
+  // Set when the guard ended on another thread than the one it meters: that
+  // thread's callbacks skip (and later drop) this state.
+  std::atomic<bool> closed{false};
 
   void exclude(const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) {
@@ -80,8 +99,10 @@ struct MeterState {
   }
 
   // Counts one tensor saved for backward (or held for it, with a label).
-  void record(const at::Tensor& t, const char* label, int64_t depth) {
-    if (!t.defined()) {
+  // `kept` holds its bytes now: the tensor itself, or a copy that hooks made
+  // (a host copy when offloaded).
+  void record(const at::Tensor& t, const at::Tensor& kept, const char* label, int64_t depth) {
+    if (!t.defined() || closed.load(std::memory_order_relaxed)) {
       return;
     }
     std::lock_guard<std::mutex> lock(mutex);
@@ -107,12 +128,99 @@ struct MeterState {
       totals.num_storages += 1;
     }
     totals.saved_bytes += new_bytes;
+    const bool moved_to_host = kept.defined() && kept.has_storage() && kept.is_cpu() &&
+        (!t.has_storage() || kept.storage().unsafeGetStorageImpl() != t.storage().unsafeGetStorageImpl());
+    (moved_to_host ? totals.host_bytes : totals.device_bytes) += new_bytes;
     if (label != nullptr) {
       attribute(label, new_bytes, 1);
+    } else if (depth == 0) {
+      add_to_group(t, new_bytes);
     } else {
       pending.push_back({depth, new_bytes});
       pending_depth.store(depth, std::memory_order_relaxed);
     }
+  }
+
+  // Unlabelled saves outside any op (Note [Naming TorchScript's graph nodes]).
+  struct Group {
+    const void* node = nullptr;  // the DifferentiableGraphBackward, once seen
+    std::string name;
+    std::vector<std::string> ops;
+    int64_t bytes = 0;
+    int64_t tensors = 0;
+  };
+  Group group;
+  std::atomic<bool> group_open{false};
+
+  // Under `mutex`.
+  void add_to_group(const at::Tensor& t, int64_t bytes) {
+    const auto* fn = t.grad_fn().get();
+    std::string name = fn != nullptr ? fn->name() : std::string();
+    const bool graph = name.find("DifferentiableGraph") != std::string::npos;
+    // A save without a graph node (a graph's integer output, max_pool's
+    // indices) stays in the open group; another graph's node starts a new one.
+    if (group_open.load() && group.node != nullptr && graph && fn != group.node) {
+      close_group_locked();
+    }
+    if (!group_open.load()) {
+      // The graph's ops may have run before its first save (a graph that
+      // keeps only outputs): they are the ops seen since the last one that
+      // built graph.
+      group.ops = std::move(recent_ops);
+      recent_ops.clear();
+    }
+    group_open.store(true);
+    if (graph && group.node == nullptr) {
+      group.node = fn;
+      const auto colon = name.rfind("::");
+      group.name = colon == std::string::npos ? name : name.substr(colon + 2);
+    }
+    group.bytes += bytes;
+    group.tensors += 1;
+  }
+
+  void close_group_locked() {
+    if (!group_open.load()) {
+      return;
+    }
+    std::string name = "CppFunction";
+    if (!group.name.empty()) {
+      name = group.name + "(";
+      for (size_t i = 0; i < group.ops.size(); ++i) {
+        name += (i > 0 ? ", " : "") + group.ops[i];
+      }
+      name += ")";
+    }
+    attribute(name, group.bytes, group.tensors);
+    group = Group();
+    group_open.store(false);
+  }
+
+  // A top-level op ended while a group is open: one that builds graph ends
+  // the group; another is one of the graph's own ops.
+  // Ops run with grad that built no graph since the last one that did (a
+  // differentiable graph's own ops, before any save opened a group).
+  std::vector<std::string> recent_ops;
+
+  void group_op_ended(const std::string& op, bool builds_graph) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (builds_graph) {
+      close_group_locked();
+      recent_ops.clear();
+      return;
+    }
+    if (op == "aten::detach" || op == "aten::detach_") {
+      return;  // the executor detaching a graph's inputs: bookkeeping, not what it runs
+    }
+    auto& ops = group_open.load() ? group.ops : recent_ops;
+    if (ops.size() < 6 && std::find(ops.begin(), ops.end(), op) == ops.end()) {
+      ops.push_back(op);
+    }
+  }
+
+  void close_group() {
+    std::lock_guard<std::mutex> lock(mutex);
+    close_group_locked();
   }
 
   // True when packs made at op depth >= `depth` await a node name. Lock-free:
@@ -139,7 +247,7 @@ struct MeterState {
 
 namespace {
 
-thread_local std::vector<MeterState*> tls_meters;
+thread_local std::vector<std::shared_ptr<MeterState>> tls_meters;
 thread_local std::optional<at::CallbackHandle> tls_callback;
 
 std::string node_name(const at::RecordFunction& fn) {
@@ -168,11 +276,27 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction&) {
 // The packs made while this op was the innermost one running (its autograd
 // kernel saves inputs before it redispatches and outputs after; the ops its
 // kernels call run one level deeper and end first).
+bool builds_graph(const at::RecordFunction& fn) {
+  for (const auto& out : fn.outputs()) {
+    if (out.isTensor() && out.toTensor().defined() && out.toTensor().grad_fn()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
   const int64_t depth = tls_op_depth--;
   try {
-    for (auto* meter : tls_meters) {
-      if (meter->has_pending(depth)) {
+    if (depth == 1) {
+      for (const auto& meter : tls_meters) {
+        if (!meter->closed.load() && c10::GradMode::is_enabled()) {
+          meter->group_op_ended(fn.name(), builds_graph(fn));
+        }
+      }
+    }
+    for (const auto& meter : tls_meters) {
+      if (!meter->closed.load(std::memory_order_relaxed) && meter->has_pending(depth)) {
         meter->flush_pending(node_name(fn), depth);
       }
     }
@@ -181,40 +305,23 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
   }
 }
 
-class MeterHooks final : public SavedTensorHooks {
+class MeterObserver final : public SaveObserver {
  public:
-  explicit MeterHooks(std::shared_ptr<MeterState> state)
-      : state_(std::move(state)) {}
+  explicit MeterObserver(std::shared_ptr<MeterState> state) : state_(std::move(state)) {}
 
-  struct Packed {
-    at::Tensor tensor;
-    int64_t version;
-  };
-
-  std::any pack(const at::Tensor& tensor) override {
+  void on_save(const at::Tensor& saved, const at::Tensor& kept) noexcept override {
+    if (!kept.defined()) {
+      return;  // nothing is kept (checkpointed): backward recomputes it
+    }
     try {
-      const char* label = tls_op_depth == 0
-          ? (tls_save_label != nullptr ? tls_save_label : "CppFunction")
-          : nullptr;
-      state_->record(tensor, label, tls_op_depth);
+      // Outside any op: a trainmem feature's label, or a group to name
+      // (Note [Naming TorchScript's graph nodes]).
+      const char* label = tls_op_depth == 0 ? tls_save_label : nullptr;
+      state_->record(saved, kept, label, tls_op_depth);
     } catch (const std::exception& e) {
       TORCH_WARN("trainmem meter: a saved tensor was not counted: ", e.what());
+    } catch (...) {
     }
-    // tensor_data() drops the autograd metadata (no reference cycle through a
-    // saved output) and shares the version counter, so unpack can still catch
-    // in-place modification, which autograd stops checking once hooks are set.
-    return Packed{tensor.tensor_data(), tensor._version()};
-  }
-
-  at::Tensor unpack(const std::any& packed) override {
-    const auto& p = std::any_cast<const Packed&>(packed);
-    TORCH_CHECK(
-        p.tensor._version() == p.version,
-        "one of the variables needed for gradient computation has been "
-        "modified by an inplace operation: [",
-        p.tensor.toString(), " ", p.tensor.sizes(), "] is at version ",
-        p.tensor._version(), "; expected version ", p.version, " instead.");
-    return p.tensor;
   }
 
  private:
@@ -244,8 +351,8 @@ SaveLabelGuard::~SaveLabelGuard() {
 
 void record_held_tensor(const char* label, const at::Tensor& tensor) noexcept {
   try {
-    for (auto* meter : tls_meters) {
-      meter->record(tensor, label, tls_op_depth);
+    for (const auto& meter : tls_meters) {
+      meter->record(tensor, tensor, label, tls_op_depth);
     }
   } catch (const std::exception& e) {
     TORCH_WARN("trainmem meter: a held tensor was not counted: ", e.what());
@@ -303,6 +410,9 @@ void SavedTensorMeter::reset() {
   state_->by_node.clear();
   state_->pending.clear();
   state_->pending_depth.store(-1);
+  state_->group = detail::MeterState::Group();
+  state_->group_open.store(false);
+  state_->recent_ops.clear();
 }
 
 bool SavedTensorMeter::active() const {
@@ -311,8 +421,26 @@ bool SavedTensorMeter::active() const {
 
 struct SavedTensorMeterGuard::Impl {
   std::shared_ptr<detail::MeterState> state;
-  std::optional<SavedTensorHooksGuard> hooks;
+  std::optional<detail::SaveObserverGuard> observer;
+  uint64_t thread = detail::this_thread_id();
 };
+
+namespace detail {
+namespace {
+// Drops the states of guards that ended on other threads, and the op
+// callback once no meter is left on this thread.
+void prune_meters() {
+  auto& meters = tls_meters;
+  meters.erase(std::remove_if(meters.begin(), meters.end(),
+                              [](const auto& m) { return m->closed.load(); }),
+               meters.end());
+  if (meters.empty() && tls_callback) {
+    at::removeCallback(*tls_callback);
+    tls_callback.reset();
+  }
+}
+} // namespace
+} // namespace detail
 
 SavedTensorMeterGuard::SavedTensorMeterGuard(SavedTensorMeter& meter)
     : impl_(std::make_unique<Impl>()) {
@@ -322,16 +450,20 @@ SavedTensorMeterGuard::SavedTensorMeterGuard(SavedTensorMeter& meter)
       "SavedTensorMeterGuard: this meter already has an active scope; use one "
       "guard per meter at a time");
   try {
-    impl_->hooks.emplace(std::make_shared<detail::MeterHooks>(impl_->state));
-    if (detail::tls_meters.empty()) {
+    // Drop the states of guards that ended elsewhere (this meter's too, if
+    // its last guard ended on another thread) before reopening this one.
+    detail::prune_meters();
+    impl_->state->closed.store(false);
+    impl_->observer.emplace(std::make_shared<detail::MeterObserver>(impl_->state));
+    if (!detail::tls_callback) {
       detail::tls_callback = at::addThreadLocalCallback(
           at::RecordFunctionCallback(&detail::on_op_start, &detail::on_op_end)
               .needsOutputs(true)
               .scopes({at::RecordScope::FUNCTION}));
     }
-    detail::tls_meters.push_back(impl_->state.get());
+    detail::tls_meters.push_back(impl_->state);
   } catch (...) {
-    impl_->hooks.reset();
+    impl_->observer.reset();
     impl_->state->active.store(false);
     throw;
   }
@@ -339,19 +471,21 @@ SavedTensorMeterGuard::SavedTensorMeterGuard(SavedTensorMeter& meter)
 
 SavedTensorMeterGuard::~SavedTensorMeterGuard() {
   try {
-    auto& meters = detail::tls_meters;
-    meters.erase(
-        std::remove(meters.begin(), meters.end(), impl_->state.get()),
-        meters.end());
-    if (meters.empty() && detail::tls_callback) {
-      at::removeCallback(*detail::tls_callback);
-      detail::tls_callback.reset();
+    if (impl_->thread == detail::this_thread_id()) {
+      auto& meters = detail::tls_meters;
+      meters.erase(std::remove(meters.begin(), meters.end(), impl_->state), meters.end());
+      detail::prune_meters();
+    } else {
+      // The metered thread's list cannot be touched from here: it skips the
+      // state from now on and drops it at its next meter guard.
+      impl_->state->closed.store(true);
     }
     impl_->state->flush_pending("(unattributed)", 0);
+    impl_->state->close_group();
   } catch (...) {
     // Never throw from a destructor.
   }
-  impl_->hooks.reset();
+  impl_->observer.reset();  // safe from any thread (hooks.cpp drops it lazily)
   impl_->state->active.store(false);
 }
 
@@ -361,6 +495,10 @@ std::string to_string(const SavedTensorReport& r) {
       "excluded: {} B ({} tensors)\n",
       r.saved_bytes, r.num_storages, r.num_tensors, r.excluded_param_bytes,
       r.num_param_tensors);
+  if (r.host_bytes > 0) {
+    out += fmt::format("  where: {} B stay on the device, {} B offloaded to the host\n", r.device_bytes,
+                       r.host_bytes);
+  }
   for (const auto& n : r.by_node) {
     out += fmt::format(
         "  {:<44} {:>14} B {:>6} tensors\n", n.node, n.bytes, n.num_tensors);

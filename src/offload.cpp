@@ -100,6 +100,13 @@ class OffloadHooks final : public SavedTensorHooks {
     return out;
   }
 
+  // What holds a saved tensor's bytes: the tensor left in place, or its
+  // storage's host copy (a meter counts it as host bytes).
+  at::Tensor packed_tensor(const std::any& packed) const override {
+    const auto& p = std::any_cast<const Packed&>(packed);
+    return p.kept.defined() ? p.kept : p.host->bytes;
+  }
+
   OffloadStats stats() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return stats_;

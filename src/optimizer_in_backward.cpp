@@ -134,6 +134,14 @@ int64_t OptimizerInBackward::num_steps() const {
   return state_->steps;
 }
 
+std::vector<const torch::optim::Optimizer*> OptimizerInBackward::optimizers() const {
+  std::vector<const torch::optim::Optimizer*> out;
+  for (const auto& o : state_->optimizers) {
+    out.push_back(o.get());
+  }
+  return out;
+}
+
 torch::optim::Optimizer& OptimizerInBackward::optimizer_for(const at::Tensor& parameter) {
   auto it = state_->index.find(parameter.unsafeGetTensorImpl());
   TORCH_CHECK(it != state_->index.end(),

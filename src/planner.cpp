@@ -10,6 +10,8 @@
 #include <optional>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
+#include <utility>
 
 #include <ATen/Context.h>
 #include <ATen/OpMathType.h>
@@ -21,14 +23,20 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/mean.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/sum.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/function.h>  // Node: node.h only since 2.13
 #include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 #include <torch/nn/module.h>
@@ -306,6 +314,13 @@ int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
+// Whether autograd (a saved tensor, or a checkpoint's kept input) holds `t`
+// besides the caller's one reference: the tensor itself (a leaf or an input)
+// or its storage (an output, saved as tensor_data()).
+bool kept_by_autograd(const at::Tensor& t) {
+  return t.use_count() > 1 || t.storage().use_count() > 1;
+}
+
 // Counts each parameter's gradient once, when AccumulateGrad has written it.
 class GradWatch {
  public:
@@ -349,7 +364,9 @@ class GradWatch {
     MetaCounter* counter;
     bool counted = false;
   };
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  // shared_ptr<Node> before LibTorch 2.13, intrusive_ptr<Node> since.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
 };
 
 } // namespace
@@ -737,6 +754,9 @@ namespace {
 // What one profiling run of a block saw (see Note [Checkpoint planner]).
 struct BlockProfile {
   BlockChoice choice;
+  // Of choice.stored_bytes, the step's input saved by region 0 (it is in the
+  // step's static bytes already).
+  int64_t static_input_bytes = 0;
   double forward_cost = 0;
   // Op calls of the forward, in order: (call, cost, cacheable).
   std::vector<std::tuple<std::string, double, bool>> calls;
@@ -753,28 +773,228 @@ int64_t cpu_rng_state_bytes() {
   return bytes;
 }
 
-// Runs blocks[0 .. num_blocks) alone on meta under `mode` (and `saved_ops`;
-// num_blocks > 1: one checkpointed region, a segment), with the loss
-// (y * 2).sum() so the incoming gradient is made by backward itself, as in
-// the stack. `grad_input`: the input requires grad (not for block 0).
-BlockProfile profile_block(std::vector<TransformerBlock>& blocks, int64_t num_blocks,
-                           const TransformerOptions& o, BlockMode mode,
-                           const std::vector<std::string>& saved_ops, bool grad_input,
-                           const OpCostFn& op_cost) {
-  auto& counter = MetaCounter::get();
-  BlockProfile prof;
-  prof.choice.region_blocks = num_blocks;
-  auto reset_grads = [&] {
-    for (int64_t j = 0; j < num_blocks; ++j) {
-      for (auto& p : blocks[j]->parameters()) {
-        p.mutable_grad().reset();
+// Live and peak bytes of the device a profile runs on: the counting meta
+// allocator, or the CPU tracker where a region falls back to the CPU.
+class ByteCounter {
+ public:
+  explicit ByteCounter(bool cpu) : cpu_(cpu) {
+    if (cpu_) {
+      tracker_ = &CpuMemoryTracker::install();
+    }
+  }
+  int64_t live() const {
+    return cpu_ ? tracker_->stats().allocated_bytes : MetaCounter::get().live();
+  }
+  void reset_peak() {
+    if (cpu_) {
+      window_.reset();
+      window_.emplace(*tracker_);
+    } else {
+      MetaCounter::get().reset_peak();
+    }
+  }
+  int64_t peak() const {
+    return cpu_ ? (window_ ? window_->peak_bytes() : live()) : MetaCounter::get().peak();
+  }
+
+ private:
+  bool cpu_;
+  CpuMemoryTracker* tracker_ = nullptr;
+  std::optional<PeakWindow> window_;
+};
+
+// The shape and dtype of a tensor between regions.
+struct TensorSpec {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+  std::string str() const {
+    return fmt::format("{}[{}]", c10::toString(dtype), fmt::join(sizes, ","));
+  }
+};
+
+TensorSpec spec_of(const at::Tensor& t) {
+  return {t.sizes().vec(), t.scalar_type()};
+}
+
+// A tensor of `spec` on `device`: empty on meta; on CPU random floats and
+// zero integers (integer inputs are indices).
+at::Tensor make_tensor(const TensorSpec& spec, c10::Device device) {
+  auto options = at::TensorOptions().dtype(spec.dtype).device(device);
+  if (device.is_meta()) {
+    return at::empty(spec.sizes, options);
+  }
+  return c10::isFloatingType(spec.dtype) ? at::randn(spec.sizes, options) : at::zeros(spec.sizes, options);
+}
+
+// The op a NotImplementedError names: "Could not run 'aten::foo' with
+// arguments from the 'Meta' backend", or "foo not implemented".
+std::string missing_op(const std::string& what) {
+  const std::string quoted = "Could not run '";
+  if (auto a = what.find(quoted); a != std::string::npos) {
+    a += quoted.size();
+    return what.substr(a, what.find('\'', a) - a);
+  }
+  const std::string first = what.substr(0, what.find_first_of(" \n:."));
+  return first.find("::") == std::string::npos ? "aten::" + first : first;
+}
+
+std::string first_line(const std::string& s) {
+  return s.substr(0, s.find('\n'));
+}
+
+// Note [Planning a live model]
+// plan_regions() takes the user's model as it is, usually on CPU with its
+// data. While planning, every parameter and buffer of the regions' modules
+// becomes a meta tensor in place (the TensorImpl stays, so closures, optimizers
+// and meters that hold them still do) and gets its storage back afterwards, as
+// do gradients; the optimizer's state is swapped out for the planning steps
+// and swapped back. A region profiled on CPU (an op with no meta kernel) gets
+// its parameters' own storages back for that profile (its buffers get copies,
+// so BatchNorm's running statistics are not updated by planning), or zero
+// tensors when the model was built on meta.
+class PlanningSwap {
+ public:
+  explicit PlanningSwap(const std::vector<Region>& regions) {
+    for (const auto& region : regions) {
+      for (const auto& m : region.modules()) {
+        TORCH_CHECK(m != nullptr, "plan_regions: region '", region.name(), "' lists a null module");
+        for (const auto& p : m->parameters(/*recurse=*/true)) {
+          add(p, /*buffer=*/false);
+        }
+        for (const auto& b : m->buffers(/*recurse=*/true)) {
+          add(b, /*buffer=*/true);
+        }
       }
     }
+    for (auto& e : entries_) {
+      if (!e.tensor.is_meta()) {
+        adopt(e.tensor, at::empty_strided(e.tensor.sizes(), e.tensor.strides(),
+                                          e.tensor.options().device(at::kMeta)));
+      }
+    }
+  }
+  ~PlanningSwap() {
+    for (auto& e : entries_) {
+      try {
+        if (e.real.defined()) {
+          adopt(e.tensor, e.real);
+        } else if (!e.tensor.is_meta()) {  // a meta model's CPU fallback: meta again
+          adopt(e.tensor, at::empty_strided(e.tensor.sizes(), e.tensor.strides(),
+                                            e.tensor.options().device(at::kMeta)));
+        }
+        if (e.tensor.requires_grad() || e.grad.defined()) {
+          e.tensor.mutable_grad() = e.grad;
+        }
+      } catch (const std::exception& ex) {
+        TORCH_WARN("plan_regions: could not restore a tensor of the model: ", ex.what());
+      }
+    }
+  }
+  PlanningSwap(const PlanningSwap&) = delete;
+  PlanningSwap& operator=(const PlanningSwap&) = delete;
+
+  // Gives the tensors of `modules` CPU storage (their own where they had it),
+  // or meta storage again.
+  void set_cpu(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, bool cpu) {
+    std::unordered_set<const c10::TensorImpl*> mine;
+    for (const auto& m : modules) {
+      for (const auto& p : m->parameters(true)) mine.insert(p.unsafeGetTensorImpl());
+      for (const auto& b : m->buffers(true)) mine.insert(b.unsafeGetTensorImpl());
+    }
+    for (auto& e : entries_) {
+      if (!mine.count(e.tensor.unsafeGetTensorImpl())) {
+        continue;
+      }
+      if (cpu) {
+        at::Tensor real = e.real.defined() && e.real.is_cpu() ? e.real : at::Tensor();
+        if (!real.defined()) {
+          real = at::zeros(e.tensor.sizes(), e.tensor.options().device(at::kCPU));
+        } else if (e.buffer) {
+          real = real.clone();
+        }
+        adopt(e.tensor, real);
+      } else {
+        adopt(e.tensor, at::empty_strided(e.tensor.sizes(), e.tensor.strides(),
+                                          e.tensor.options().device(at::kMeta)));
+      }
+    }
+  }
+
+ private:
+  struct Entry {
+    at::Tensor tensor; // the model's own (identity kept)
+    at::Tensor real;   // its storage before planning (undefined if it was on meta)
+    at::Tensor grad;   // its gradient before planning
+    bool buffer = false;
   };
-  auto run = [&](const at::Tensor& t) {
+  void add(const at::Tensor& t, bool buffer) {
+    if (!t.defined() || !seen_.insert(t.unsafeGetTensorImpl()).second) {
+      return;
+    }
+    Entry e;
+    e.tensor = t;
+    e.buffer = buffer;
+    if (!t.is_meta()) {
+      e.real = t.variable_data();  // a new TensorImpl on the same storage
+    }
+    e.grad = t.grad();
+    entries_.push_back(std::move(e));
+  }
+  // set_data() refuses a change of device; the shallow copy it would do is
+  // what we want (meta.cpp's to_meta() does the same).
+  static void adopt(const at::Tensor& t, const at::Tensor& from) {
+    t.unsafeGetTensorImpl()->shallow_copy_from(from.getIntrusivePtr());
+  }
+  std::unordered_set<const c10::TensorImpl*> seen_;
+  std::vector<Entry> entries_;
+};
+
+// One region run to profile: regions [first, first + count) as one unit.
+struct RunSpec {
+  const std::vector<Region>* regions = nullptr;
+  int64_t first = 0;
+  int64_t count = 1;
+  TensorSpec input;
+  bool grad_input = false;
+  bool cpu = false; // profile on CPU (an op has no meta kernel)
+  // The input is the step's (region 0): made before the count starts, as it
+  // is in the step's static bytes, not the run's.
+  bool input_is_static = false;
+};
+
+void reset_grads(const std::vector<at::Tensor>& params) {
+  for (const auto& p : params) {
+    p.mutable_grad().reset();
+  }
+}
+
+std::vector<at::Tensor> params_of(const RunSpec& run) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (int64_t j = run.first; j < run.first + run.count; ++j) {
+    for (const auto& m : (*run.regions)[j].modules()) {
+      for (const auto& p : m->parameters(true)) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+      }
+    }
+  }
+  return out;
+}
+
+// Runs the run's regions alone under `mode` (and `saved_ops`; count > 1: one
+// checkpointed region, a segment), with the loss (y * 2).sum() so the
+// incoming gradient is made by backward itself, as in the stack.
+BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<std::string>& saved_ops,
+                         const OpCostFn& op_cost) {
+  ByteCounter counter(run.cpu);
+  const auto params = params_of(run);
+  BlockProfile prof;
+  prof.choice.region_blocks = run.count;
+  const auto* regions = run.regions;
+  auto body = [regions, first = run.first, count = run.count](const at::Tensor& t) {
     at::Tensor y = t;
-    for (int64_t j = 0; j < num_blocks; ++j) {
-      y = blocks[j]->forward(y);
+    for (int64_t j = first; j < first + count; ++j) {
+      y = (*regions)[j](y);
     }
     return y;
   };
@@ -804,33 +1024,56 @@ BlockProfile profile_block(std::vector<TransformerBlock>& blocks, int64_t num_bl
     }
     return decision;
   };
-  reset_grads();
+  reset_grads(params);
+  const auto device = run.cpu ? c10::Device(at::kCPU) : c10::Device(at::kMeta);
+  at::Tensor x;
+  if (run.input_is_static) {
+    x = make_tensor(run.input, device);
+  }
   const int64_t base = counter.live();
   counter.reset_peak();
-  auto x = at::empty({o.batch(), o.seq_len(), o.d_model()}, at::TensorOptions().device(at::kMeta));
-  if (grad_input) {
+  if (!run.input_is_static) {
+    x = make_tensor(run.input, device);
+  }
+  if (run.grad_input) {
     x.requires_grad_(true);
   }
   at::Tensor loss;
   {
     at::Tensor y;
     if (mode == BlockMode::kStore) {
-      y = run(x);
+      y = body(x);
     } else {
       auto opts = CheckpointOptions().context_fn(create_selective_checkpoint_contexts(counting));
-      y = checkpoint(run, x, opts);
+      y = checkpoint(body, x, opts);
     }
     prof.choice.forward_peak_bytes = counter.peak() - base;
-    loss = (y * 2.0).sum();
+    if (y.requires_grad()) {  // else: no backward reaches it (no parameters up to here)
+      loss = (y * 2.0).sum();
+    }
   }
   const int64_t after_forward = counter.live();
   prof.choice.stored_bytes = after_forward - base - storage_bytes(loss);
+  // The input, made here, is still held by `x`: it counts only where autograd
+  // or the checkpoint keeps it (as the meter counts it); else the run frees it.
+  if (!run.input_is_static && !kept_by_autograd(x)) {
+    prof.choice.stored_bytes -= storage_bytes(x);
+  }
+  if (run.input_is_static) {
+    // Counted as the meter counts it (the input included when saved, as a
+    // kept tensor or through a view): autograd or the checkpoint holds it.
+    prof.static_input_bytes = kept_by_autograd(x) ? storage_bytes(x) : 0;
+    prof.choice.stored_bytes += prof.static_input_bytes;
+    prof.choice.forward_peak_bytes += storage_bytes(x);
+  }
   counter.reset_peak();
-  loss.backward();
-  prof.choice.backward_transient_bytes = counter.peak() - after_forward;
+  if (loss.defined()) {
+    loss.backward();
+  }
+  prof.choice.backward_transient_bytes = loss.defined() ? counter.peak() - after_forward : 0;
   loss = at::Tensor();
   x = at::Tensor();
-  reset_grads();
+  reset_grads(params);
   prof.choice.recompute_cost = mode == BlockMode::kStore ? 0.0 : *recompute_cost;
   prof.choice.rng_state_bytes = mode == BlockMode::kStore ? 0 : cpu_rng_state_bytes();
   prof.forward_cost = *forward_cost;
@@ -840,43 +1083,57 @@ BlockProfile profile_block(std::vector<TransformerBlock>& blocks, int64_t num_bl
 
 struct HeadProfile {
   int64_t forward_peak_bytes = 0; // with its input
-  int64_t stored_bytes = 0;       // its input, saved by pow
+  int64_t stored_bytes = 0;       // what the loss saves (its input, for pow)
   int64_t backward_transient_bytes = 0;
 };
 
-HeadProfile profile_head(const TransformerOptions& o) {
-  auto& counter = MetaCounter::get();
+HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& loss_fn,
+                         const TensorSpec& output, bool cpu) {
+  ByteCounter counter(cpu);
   HeadProfile h;
   const int64_t base = counter.live();
   counter.reset_peak();
-  auto y = at::empty({o.batch(), o.seq_len(), o.d_model()}, at::TensorOptions().device(at::kMeta))
-               .requires_grad_(true);
-  auto loss = y.pow(2).mean();
+  auto y = make_tensor(output, cpu ? c10::Device(at::kCPU) : c10::Device(at::kMeta)).requires_grad_(true);
+  auto loss = loss_fn(y);
+  TORCH_CHECK(loss.defined() && loss.numel() == 1,
+              "plan_regions: the loss must be a scalar, but got a tensor of shape ",
+              loss.defined() ? loss.sizes() : at::IntArrayRef{});
   h.forward_peak_bytes = counter.peak() - base;
   const int64_t after = counter.live();
   h.stored_bytes = after - base - storage_bytes(loss);
+  if (!kept_by_autograd(y)) {  // the last output, held here: freed in a real step unless the loss saves it
+    h.stored_bytes -= storage_bytes(y);
+  }
   counter.reset_peak();
   loss.backward();
   h.backward_transient_bytes = counter.peak() - after;
   return h;
 }
 
-// AdamW's transient for one block's parameters, with state and gradients in place.
-int64_t profile_adamw(TransformerBlock& block) {
+// The optimizer's state bytes (after its first step) and the transient of a
+// later step, on meta, with every gradient in place.
+struct OptimizerProfile {
+  int64_t state_bytes = 0;
+  int64_t transient_bytes = 0;
+};
+
+OptimizerProfile profile_optimizer(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params) {
   auto& counter = MetaCounter::get();
-  for (auto& p : block->parameters()) {
-    p.mutable_grad() = at::empty_like(p);
+  OptimizerProfile r;
+  for (const auto& p : params) {
+    if (p.requires_grad()) {
+      p.mutable_grad() = at::empty_like(p);
+    }
   }
-  torch::optim::AdamW opt(block->parameters(), torch::optim::AdamWOptions(1e-3));
+  const int64_t before = counter.live();
   opt.step();  // creates the state
+  r.state_bytes = counter.live() - before;
   const int64_t base = counter.live();
   counter.reset_peak();
   opt.step();
-  const int64_t transient = counter.peak() - base;
-  for (auto& p : block->parameters()) {
-    p.mutable_grad().reset();
-  }
-  return transient;
+  r.transient_bytes = counter.peak() - base;
+  reset_grads(params);
+  return r;
 }
 
 struct DpState {
@@ -895,6 +1152,31 @@ void raise_peak(DpState& state, int64_t bytes, StepPhase at) {
     state.peak = bytes;
     state.phase = at;
   }
+}
+
+// Pareto pruning: drops each state that another matches or beats in stored,
+// cost and peak. Sorted by stored, a state is dominated exactly when an
+// earlier one has cost and peak no higher; the kept (cost, peak) pairs form a
+// staircase (peak falling as cost rises), so that is one lookup: O(n log n).
+std::vector<DpState> prune_states(std::vector<DpState> next) {
+  std::sort(next.begin(), next.end(), [](const DpState& a, const DpState& b) {
+    return std::tie(a.stored, a.cost, a.peak) < std::tie(b.stored, b.cost, b.peak);
+  });
+  std::map<double, int64_t> stairs;  // cost -> smallest peak at that cost or less
+  std::vector<DpState> kept;
+  for (const auto& n : next) {
+    auto it = stairs.upper_bound(n.cost);
+    if (it != stairs.begin() && std::prev(it)->second <= n.peak) {
+      continue;  // dominated
+    }
+    kept.push_back(n);
+    auto [pos, inserted] = stairs.insert_or_assign(n.cost, n.peak);
+    auto next_it = std::next(pos);
+    while (next_it != stairs.end() && next_it->second >= n.peak) {
+      next_it = stairs.erase(next_it);
+    }
+  }
+  return kept;
 }
 
 std::string plan_name(const std::vector<BlockChoice>& blocks) {
@@ -949,7 +1231,127 @@ std::string plan_name(const std::vector<BlockChoice>& blocks) {
   return "chosen";
 }
 
+
+// A region's structure: its modules' types and their tensors' names, shapes
+// and dtypes (or the key the user gave). Regions with the same structure on
+// the same input run the same code (the user sets a key where they do not).
+std::string structure_key(const Region& region) {
+  if (!region.key().empty()) {
+    return "key:" + region.key();
+  }
+  std::string k;
+  for (const auto& m : region.modules()) {
+    for (const auto& sub : m->modules(/*include_self=*/true)) {
+      k += sub->name();
+      k += '{';
+      for (const auto& p : sub->named_parameters(/*recurse=*/false)) {
+        k += fmt::format("{}:{}[{}]{},", p.key(), c10::toString(p.value().scalar_type()),
+                         fmt::join(p.value().sizes(), ","), p.value().requires_grad() ? "g" : "");
+      }
+      for (const auto& b : sub->named_buffers(/*recurse=*/false)) {
+        k += fmt::format("{}:{}[{}],", b.key(), c10::toString(b.value().scalar_type()),
+                         fmt::join(b.value().sizes(), ","));
+      }
+      k += sub->is_training() ? "}t" : "}e";
+    }
+    k += ';';
+  }
+  return k;
+}
+
+// The op a failure on meta names, when it is a missing kernel.
+std::string meta_failure_op(const c10::Error& e) {
+  const std::string what = e.what_without_backtrace();
+  if (dynamic_cast<const c10::NotImplementedError*>(&e) != nullptr ||
+      what.find("Could not run '") != std::string::npos) {
+    return missing_op(what);
+  }
+  return "";
+}
+
 } // namespace
+
+Region::Region(std::string name, Forward forward, std::vector<std::shared_ptr<torch::nn::Module>> modules)
+    : name_(std::move(name)),
+      forward_(std::make_shared<Forward>(std::move(forward))),
+      modules_(std::move(modules)) {
+  TORCH_CHECK(static_cast<bool>(*forward_), "Region: the forward function of '", name_, "' is empty");
+  for (size_t i = 0; i < modules_.size(); ++i) {
+    TORCH_CHECK(modules_[i] != nullptr, "Region: module ", i, " of '", name_, "' is null");
+  }
+}
+
+Region::Region(torch::nn::AnyModule module)
+    : Region(module.ptr()->name(),
+             [m = std::make_shared<torch::nn::AnyModule>(module)](const at::Tensor& x) {
+               return m->forward<at::Tensor>(x);
+             },
+             {module.ptr()}) {}
+
+at::Tensor Region::operator()(const at::Tensor& input) const {
+  return (*forward_)(input);
+}
+
+std::vector<Region> regions_of(const torch::nn::Sequential& sequential) {
+  TORCH_CHECK(sequential, "regions_of: the Sequential is empty (null)");
+  std::vector<Region> regions;
+  for (const auto& m : *sequential) {
+    regions.emplace_back(m);
+  }
+  return regions;
+}
+
+std::vector<Region> regions_of(const torch::nn::ModuleList& list) {
+  TORCH_CHECK(list, "regions_of: the ModuleList is empty (null)");
+  std::vector<Region> regions;
+  for (size_t i = 0; i < list->size(); ++i) {
+    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(list->ptr(i));
+    TORCH_CHECK(seq != nullptr, "regions_of: element ", i, " of the ModuleList is a ", list->ptr(i)->name(),
+                ", whose forward is unknown here; use regions_of<", list->ptr(i)->name(), ">(list)");
+    regions.emplace_back(seq);
+  }
+  return regions;
+}
+
+at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+                       const BlockCheckpointing& plan) {
+  const auto L = static_cast<int64_t>(regions.size());
+  TORCH_CHECK(static_cast<int64_t>(plan.blocks.size()) == L, "run_regions: the plan '", plan.name,
+              "' has ", plan.blocks.size(), " blocks, but there are ", L, " regions");
+  TORCH_CHECK(plan.region_length.empty() || static_cast<int64_t>(plan.region_length.size()) == L,
+              "run_regions: the plan '", plan.name, "' has ", plan.region_length.size(),
+              " region lengths, expected 0 or ", L);
+  at::Tensor x = input;
+  for (int64_t i = 0; i < L;) {
+    const int64_t k = plan.region_length.empty() ? 1 : std::max<int64_t>(1, plan.region_length[i]);
+    if (!plan.blocks[i]) {
+      x = regions[i](x);
+      ++i;
+      continue;
+    }
+    TORCH_CHECK(i + k <= L, "run_regions: the segment of ", k, " regions at region ", i, " of plan '",
+                plan.name, "' runs past the last region (", L, ")");
+    // The recompute runs in backward, after this returns: the closure keeps
+    // its own copies of the regions (they share callables and modules).
+    std::vector<Region> run(regions.begin() + i, regions.begin() + i + k);
+    x = checkpoint(
+        [run = std::move(run)](const at::Tensor& t) {
+          at::Tensor y = t;
+          for (const auto& r : run) {
+            y = r(y);
+          }
+          return y;
+        },
+        x, plan.options_for(i));
+    i += k;
+  }
+  return x;
+}
+
+at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+                       const CheckpointPlan& plan) {
+  return run_regions(regions, input, plan.checkpointing());
+}
 
 BlockCheckpointing CheckpointPlan::checkpointing() const {
   const auto L = static_cast<int64_t>(blocks.size());
@@ -998,129 +1400,288 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
 // ranked by recompute saved per byte, and the ranking's prefixes are profiled
 // as sets, so interactions (Note [In-place ops on cached outputs]'s copies)
 // are measured, not assumed.
-CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions& options) {
+CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options) {
   TORCH_CHECK(options.budget_bytes() >= 0,
-              "plan_checkpointing: expected budget_bytes >= 0, but got ", options.budget_bytes());
-  TORCH_CHECK(o.num_layers() >= 1, "plan_checkpointing: expected num_layers >= 1, but got ",
-              o.num_layers());
+              "plan_regions: expected budget_bytes >= 0, but got ", options.budget_bytes());
+  TORCH_CHECK(!model.regions.empty(), "plan_regions: the model has no regions");
+  TORCH_CHECK(static_cast<bool>(model.input),
+              "plan_regions: RegionModel::input is empty (it makes the sample input on a device)");
+  TORCH_CHECK(static_cast<bool>(model.loss),
+              "plan_regions: RegionModel::loss is empty (it makes the scalar loss of the output)");
+  TORCH_CHECK(model.optimizer == nullptr || !model.make_optimizer,
+              "plan_regions: give RegionModel::optimizer or make_optimizer, not both");
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
   const OpCostFn cost_fn = options.op_cost() ? options.op_cost() : OpCostFn(flop_cost);
-  const int64_t L = o.num_layers();
-  // Up to max_region_blocks distinct blocks on meta (a segment needs its own
-  // parameters per block: shared ones would accumulate one gradient).
+  const auto& regions = model.regions;
+  const auto L = static_cast<int64_t>(regions.size());
   const int64_t max_region = std::clamp<int64_t>(options.max_region_blocks(), 1, L);
-  std::vector<TransformerBlock> blocks;
-  {
-    MetaInitGuard meta;  // built on meta: nothing allocated, whatever d_model is
-    for (int64_t j = 0; j < max_region; ++j) {
-      blocks.push_back(TransformerBlock(o.d_model(), o.num_heads()));
-    }
-  }
-  int64_t block_param_bytes = 0;
-  for (const auto& p : blocks[0]->parameters()) {
-    block_param_bytes += storage_bytes(p);
-  }
-  const int64_t input_bytes = o.batch() * o.seq_len() * o.d_model() * 4;
+  PlanningSwap swap(regions);  // Note [Planning a live model]
 
-  // Candidates: cands[first][k - 1] are the regions of k blocks starting at
-  // block 0 (first = 0: its input needs no grad) or at a later block.
-  std::array<std::vector<std::vector<BlockProfile>>, 2> cands;
-  double forward_cost_block = 0;
-  for (int first = 0; first < 2; ++first) {
-    const bool grad_input = first == 1;
-    cands[first].resize(max_region);
-    auto& c = cands[first][0];
-    c.push_back(profile_block(blocks, 1, o, BlockMode::kStore, {}, grad_input, cost_fn));
-    c.push_back(profile_block(blocks, 1, o, BlockMode::kCheckpoint, {}, grad_input, cost_fn));
-    for (int64_t k = 2; k <= max_region; ++k) {
-      cands[first][k - 1].push_back(
-          profile_block(blocks, k, o, BlockMode::kCheckpoint, {}, grad_input, cost_fn));
+  // Parameters, each once, owned by the last region that uses it: its
+  // gradient exists from that region's backward on.
+  std::vector<at::Tensor> params;
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  std::vector<std::vector<int64_t>> region_param_ids(L);
+  for (int64_t i = 0; i < L; ++i) {
+    for (const auto& m : regions[i].modules()) {
+      for (const auto& p : m->parameters(/*recurse=*/true)) {
+        auto [it, inserted] = owner.emplace(p.unsafeGetTensorImpl(), i);
+        if (inserted) {
+          params.push_back(p);
+        }
+        it->second = i;
+      }
     }
-    const auto ckpt = c[1];
-    forward_cost_block = ckpt.forward_cost;
-    if (!options.selective()) {
+  }
+  std::vector<int64_t> region_grad_bytes(L, 0);
+  std::vector<bool> region_trains(L, false);
+  int64_t param_bytes = 0;
+  {
+    std::unordered_set<const c10::StorageImpl*> storages;
+    for (const auto& p : params) {
+      if (storages.insert(p.storage().unsafeGetStorageImpl()).second) {
+        param_bytes += storage_bytes(p);
+      }
+      if (p.requires_grad()) {
+        const int64_t i = owner[p.unsafeGetTensorImpl()];
+        region_grad_bytes[i] += storage_bytes(p);
+      }
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      for (const auto& m : regions[i].modules()) {
+        for (const auto& p : m->parameters(true)) {
+          region_trains[i] = region_trains[i] || p.requires_grad();
+        }
+      }
+    }
+  }
+  int64_t grads = 0;
+  for (auto b : region_grad_bytes) grads += b;
+
+  // The optimizer: its state (live all step) and its step's transient.
+  OptimizerProfile opt_prof;
+  const bool has_optimizer = model.optimizer != nullptr || static_cast<bool>(model.make_optimizer);
+  if (model.optimizer != nullptr) {
+    auto& state = model.optimizer->state();
+    std::remove_reference_t<decltype(state)> saved;
+    std::swap(saved, state);
+    try {
+      opt_prof = profile_optimizer(*model.optimizer, params);
+    } catch (...) {
+      std::swap(saved, state);
+      throw;
+    }
+    std::swap(saved, state);
+  } else if (model.make_optimizer) {
+    auto opt = model.make_optimizer(params);
+    TORCH_CHECK(opt != nullptr, "plan_regions: RegionModel::make_optimizer returned null");
+    opt_prof = profile_optimizer(*opt, params);
+  }
+
+  at::Tensor input = model.input(at::kMeta);
+  TORCH_CHECK(input.defined() && input.is_meta(),
+              "plan_regions: RegionModel::input(kMeta) must return a meta tensor, but got ",
+              input.defined() ? c10::str(input.device()) : std::string("an undefined tensor"));
+  const int64_t input_bytes = storage_bytes(input);
+  std::vector<TensorSpec> specs(L + 1);
+  specs[0] = spec_of(input);
+  input = at::Tensor();
+
+  // Shapes region by region (no grad, meta); a region that fails on meta
+  // runs on CPU, and is profiled there.
+  CheckpointPlan plan;
+  std::vector<bool> cpu(L, false), grad_in(L, false);
+  auto fall_back = [&](int64_t i, const c10::Error& e) {
+    cpu[i] = true;
+    const std::string op = meta_failure_op(e);
+    plan.cpu_fallbacks.push_back({i, op, first_line(e.what_without_backtrace())});
+    TORCH_WARN("plan_regions: region ", i, " ('", regions[i].name(), "') runs on CPU to be profiled: ",
+               op.empty() ? std::string("it fails on meta") : op + " has no meta kernel");
+  };
+  auto on_cpu = [&](const std::vector<Region>& rs, int64_t first, int64_t count, bool on) {
+    for (int64_t j = first; j < first + count; ++j) {
+      swap.set_cpu(rs[j].modules(), on);
+    }
+  };
+  bool needs_grad = false;
+  for (int64_t i = 0; i < L; ++i) {
+    grad_in[i] = needs_grad && c10::isFloatingType(specs[i].dtype);
+    at::NoGradGuard no_grad;
+    try {
+      specs[i + 1] = spec_of(regions[i](make_tensor(specs[i], at::kMeta)));
+    } catch (const c10::Error& e) {
+      fall_back(i, e);
+      on_cpu(regions, i, 1, true);
+      try {
+        specs[i + 1] = spec_of(regions[i](make_tensor(specs[i], at::kCPU)));
+      } catch (...) {
+        on_cpu(regions, i, 1, false);
+        throw;
+      }
+      on_cpu(regions, i, 1, false);
+    }
+    needs_grad = needs_grad || region_trains[i];
+  }
+
+  // Profiles, each distinct (regions, input, choice) once.
+  std::vector<std::string> keys(L);
+  for (int64_t i = 0; i < L; ++i) {
+    keys[i] = structure_key(regions[i]) + "->" + specs[i + 1].str();
+  }
+  auto run_key = [&](int64_t first, int64_t count) {
+    std::string k = fmt::format("{}{}{}{}|", first == 0 ? "S" : "", grad_in[first] ? "G" : "",
+                                specs[first].str(), cpu[first] ? "C" : "");
+    for (int64_t j = first; j < first + count; ++j) {
+      k += keys[j] + (cpu[j] ? "C|" : "|");
+    }
+    return k;
+  };
+  int64_t num_profiles = 0;
+  auto profile = [&](int64_t first, int64_t count, BlockMode mode, const std::vector<std::string>& ops) {
+    RunSpec run;
+    run.regions = &regions;
+    run.first = first;
+    run.count = count;
+    run.input = specs[first];
+    run.grad_input = grad_in[first];
+    run.input_is_static = first == 0;
+    for (int64_t j = first; j < first + count; ++j) {
+      run.cpu = run.cpu || cpu[j];
+    }
+    ++num_profiles;
+    if (!run.cpu) {
+      try {
+        return profile_run(run, mode, ops, cost_fn);
+      } catch (const c10::Error& e) {
+        if (count != 1) {
+          throw;  // its regions each ran on meta alone: a real error
+        }
+        fall_back(first, e);  // backward has no meta kernel
+        run.cpu = true;
+      }
+    }
+    on_cpu(regions, first, count, true);
+    try {
+      auto p = profile_run(run, mode, ops, cost_fn);
+      on_cpu(regions, first, count, false);
+      return p;
+    } catch (...) {
+      on_cpu(regions, first, count, false);
+      throw;
+    }
+  };
+
+  // Per region: store, checkpoint, selective prefixes (Note [Checkpoint planner]).
+  std::unordered_map<std::string, std::shared_ptr<const std::vector<BlockProfile>>> single_cache;
+  std::vector<std::shared_ptr<const std::vector<BlockProfile>>> singles(L);
+  for (int64_t i = 0; i < L; ++i) {
+    const std::string key = run_key(i, 1);
+    if (auto it = single_cache.find(key); it != single_cache.end()) {
+      singles[i] = it->second;
       continue;
     }
-    struct Ranked {
-      std::string call;
-      double saved_cost;
-      int64_t added_bytes;
-    };
-    std::vector<Ranked> ranked;
-    for (const auto& [call, cost, cacheable] : ckpt.calls) {
-      if (!cacheable) {
-        continue;
+    auto c = std::make_shared<std::vector<BlockProfile>>();
+    c->push_back(profile(i, 1, BlockMode::kStore, {}));
+    c->push_back(profile(i, 1, BlockMode::kCheckpoint, {}));
+    if (options.selective()) {
+      const auto ckpt = (*c)[1];
+      struct Ranked {
+        std::string call;
+        double saved_cost;
+        int64_t added_bytes;
+      };
+      std::vector<Ranked> ranked;
+      for (const auto& [call, cost, cacheable] : ckpt.calls) {
+        if (!cacheable) {
+          continue;
+        }
+        auto one = profile(i, 1, BlockMode::kSelective, {call});
+        const double saved = ckpt.choice.recompute_cost - one.choice.recompute_cost;
+        if (saved <= 0) {
+          continue;  // not recomputed anyway (early stop), or free
+        }
+        ranked.push_back({call, saved, one.choice.stored_bytes - ckpt.choice.stored_bytes});
       }
-      auto one = profile_block(blocks, 1, o, BlockMode::kSelective, {call}, grad_input, cost_fn);
-      const double saved = ckpt.choice.recompute_cost - one.choice.recompute_cost;
-      if (saved <= 0) {
-        continue;  // not recomputed anyway (early stop), or free
+      std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
+        const double ra = a.saved_cost / static_cast<double>(std::max<int64_t>(a.added_bytes, 1));
+        const double rb = b.saved_cost / static_cast<double>(std::max<int64_t>(b.added_bytes, 1));
+        return ra > rb;
+      });
+      std::vector<std::string> prefix;
+      for (const auto& r : ranked) {
+        prefix.push_back(r.call);
+        c->push_back(profile(i, 1, BlockMode::kSelective, prefix));
       }
-      ranked.push_back({call, saved, one.choice.stored_bytes - ckpt.choice.stored_bytes});
     }
-    std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
-      const double ra = a.saved_cost / static_cast<double>(std::max<int64_t>(a.added_bytes, 1));
-      const double rb = b.saved_cost / static_cast<double>(std::max<int64_t>(b.added_bytes, 1));
-      return ra > rb;
-    });
-    std::vector<std::string> prefix;
-    for (const auto& r : ranked) {
-      prefix.push_back(r.call);
-      c.push_back(profile_block(blocks, 1, o, BlockMode::kSelective, prefix, grad_input, cost_fn));
+    singles[i] = c;
+    single_cache.emplace(key, c);
+  }
+  // Segments: k consecutive regions checkpointed as one.
+  std::unordered_map<std::string, std::shared_ptr<const BlockProfile>> segment_cache;
+  std::vector<std::vector<std::shared_ptr<const BlockProfile>>> segments(L);
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t k = 2; k <= max_region && i + k <= L; ++k) {
+      const std::string key = run_key(i, k);
+      auto it = segment_cache.find(key);
+      if (it == segment_cache.end()) {
+        it = segment_cache
+                 .emplace(key, std::make_shared<const BlockProfile>(profile(i, k, BlockMode::kCheckpoint, {})))
+                 .first;
+      }
+      segments[i].push_back(it->second);
     }
   }
-  const HeadProfile head = profile_head(o);
-  const int64_t adamw_transient = options.adamw() ? profile_adamw(blocks[0]) : 0;
+  // The loss head, on the last output.
+  HeadProfile head;
+  try {
+    head = profile_head(model.loss, specs[L], /*cpu=*/false);
+  } catch (const c10::Error& e) {
+    const std::string op = meta_failure_op(e);
+    plan.cpu_fallbacks.push_back({L, op, first_line(e.what_without_backtrace())});
+    TORCH_WARN("plan_regions: the loss runs on CPU to be profiled: ",
+               op.empty() ? std::string("it fails on meta") : op + " has no meta kernel");
+    head = profile_head(model.loss, specs[L], /*cpu=*/true);
+  }
 
-  const int64_t params = block_param_bytes * L;
-  const int64_t grads = params;
-  const int64_t optimizer_state = options.adamw() ? 2 * params : 0;
-  const int64_t Z = params + optimizer_state + input_bytes;
+  const int64_t Z = param_bytes + opt_prof.state_bytes + input_bytes;
+  std::vector<int64_t> grads_after(L + 1, 0);  // gradients of regions >= i
+  for (int64_t i = L - 1; i >= 0; --i) {
+    grads_after[i] = grads_after[i + 1] + region_grad_bytes[i];
+  }
+  // The choices of a run of k regions at i, as one list.
+  auto choices = [&](int64_t i, int64_t k) {
+    std::vector<const BlockProfile*> c;
+    if (k == 1) {
+      for (const auto& p : *singles[i]) c.push_back(&p);
+    } else {
+      c.push_back(segments[i][k - 2].get());
+    }
+    return c;
+  };
 
-  // The dynamic program over block boundaries: layers[i] holds the states
-  // after blocks 0 .. i - 1; a region of k blocks moves from i to i + k.
+  // The dynamic program over region boundaries: layers[i] holds the states
+  // after regions 0 .. i - 1; a segment of k regions moves from i to i + k.
   std::vector<std::vector<DpState>> layers(L + 1);
   layers[0].push_back(DpState{});
   std::vector<std::vector<DpState>> incoming(L + 1);
   int64_t num_candidates = 0;
-  auto prune = [](std::vector<DpState> next) {
-    // Pareto: drop a state another matches or beats in stored, cost and peak.
-    std::sort(next.begin(), next.end(), [](const DpState& a, const DpState& b) {
-      return std::tie(a.stored, a.cost, a.peak) < std::tie(b.stored, b.cost, b.peak);
-    });
-    std::vector<DpState> kept;
-    for (const auto& n : next) {
-      bool dominated = false;
-      for (const auto& k : kept) {
-        if (k.stored <= n.stored && k.cost <= n.cost && k.peak <= n.peak) {
-          dominated = true;
-          break;
-        }
-      }
-      if (!dominated) {
-        kept.push_back(n);
-      }
-    }
-    return kept;
-  };
   for (int64_t i = 0; i < L; ++i) {
     if (i > 0) {
-      layers[i] = prune(std::move(incoming[i]));
+      layers[i] = prune_states(std::move(incoming[i]));
     }
     for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
-      const auto& c = cands[i == 0 ? 0 : 1][k - 1];
+      const auto c = choices(i, k);
       num_candidates += static_cast<int64_t>(c.size());
-      const int64_t grads_after = block_param_bytes * (L - i - k);
       for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
         const auto& st = layers[i][s];
         for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
-          const auto& ch = c[opt].choice;
-          // Block 0's input is the step's input, already in Z.
-          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes - (i == 0 ? input_bytes : 0);
+          const auto& ch = c[opt]->choice;
+          // Region 0's input is the step's input, already in Z.
+          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes - c[opt]->static_input_bytes;
           const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
               (i == 0 ? input_bytes : 0);
-          const int64_t bwd = Z + st.stored + stored + grads_after + ch.backward_transient_bytes;
+          const int64_t bwd = Z + st.stored + stored + grads_after[i + k] + ch.backward_transient_bytes;
           DpState n;
           n.stored = st.stored + stored;
           n.cost = st.cost + ch.recompute_cost;
@@ -1135,17 +1696,18 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
         }
       }
     }
+    incoming[i].clear();
+    incoming[i].shrink_to_fit();
   }
-  layers[L] = prune(std::move(incoming[L]));
+  layers[L] = prune_states(std::move(incoming[L]));
   // Final phases: the loss head and the optimizer step.
   std::vector<DpState> finals = layers[L];
   for (auto& f : finals) {
-    const int64_t head_fwd = Z + f.stored + head.forward_peak_bytes;
-    const int64_t head_bwd = Z + f.stored + head.stored_bytes + head.backward_transient_bytes;
-    const int64_t opt = Z + grads + adamw_transient;
-    raise_peak(f, head_fwd, StepPhase::kForward);
-    raise_peak(f, head_bwd, StepPhase::kBackward);
-    raise_peak(f, opt, StepPhase::kOptimizerStep);
+    raise_peak(f, Z + f.stored + head.forward_peak_bytes, StepPhase::kForward);
+    raise_peak(f, Z + f.stored + head.stored_bytes + head.backward_transient_bytes, StepPhase::kBackward);
+    if (has_optimizer) {
+      raise_peak(f, Z + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
+    }
   }
   auto by_cost = [](const DpState& a, const DpState& b) {
     return std::tie(a.cost, a.peak) < std::tie(b.cost, b.peak);
@@ -1164,7 +1726,6 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
       best = f;
     }
   }
-  CheckpointPlan plan;
   plan.feasible = best >= 0;
   plan.budget_bytes = options.budget_bytes();
   plan.min_peak_bytes = finals[min_index].peak;
@@ -1174,18 +1735,20 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
   plan.predicted_peak_bytes = end.peak;
   plan.peak_phase = end.phase;
   plan.recompute_cost = end.cost;
-  plan.forward_cost = forward_cost_block * static_cast<double>(L);
+  for (int64_t i = 0; i < L; ++i) {
+    plan.forward_cost += (*singles[i])[1].forward_cost;
+  }
   plan.static_bytes = Z;
   plan.grad_bytes = grads;
   plan.num_candidates = num_candidates;
+  plan.num_profiles = num_profiles;
   plan.blocks.resize(L);
   int64_t s = chosen;
   for (int64_t i = L; i >= 1;) {
     const auto& st = i == L ? end : layers[i][s];
     const int64_t start = i - st.region;
-    const auto& c = cands[start == 0 ? 0 : 1][st.region - 1];
-    plan.blocks[start] = c[st.option].choice;
-    for (int64_t j = start + 1; j < i; ++j) {  // inside the region: nothing of their own
+    plan.blocks[start] = choices(start, st.region)[st.option]->choice;
+    for (int64_t j = start + 1; j < i; ++j) {  // inside the segment: nothing of their own
       plan.blocks[j] = BlockChoice{};
       plan.blocks[j].mode = BlockMode::kCheckpoint;
       plan.blocks[j].region_blocks = 0;
@@ -1197,7 +1760,36 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
   for (const auto& b : plan.blocks) {
     plan.activation_bytes += b.stored_bytes;
   }
+  for (const auto& r : regions) {
+    plan.region_names.push_back(r.name());
+  }
   plan.name = plan_name(plan.blocks);
+  return plan;
+}
+
+CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions& options) {
+  TORCH_CHECK(options.budget_bytes() >= 0,
+              "plan_checkpointing: expected budget_bytes >= 0, but got ", options.budget_bytes());
+  TORCH_CHECK(o.num_layers() >= 1, "plan_checkpointing: expected num_layers >= 1, but got ",
+              o.num_layers());
+  Transformer meta{nullptr};
+  {
+    MetaInitGuard guard;  // built on meta: nothing allocated, whatever d_model is
+    meta = Transformer(o);
+  }
+  RegionModel m;
+  m.regions = regions_of<TransformerBlockImpl>(meta->blocks);
+  m.input = [o](c10::Device device) {
+    return at::empty({o.batch(), o.seq_len(), o.d_model()}, at::TensorOptions().device(device));
+  };
+  m.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
+  if (options.adamw()) {
+    m.make_optimizer = [](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+      return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(1e-3));
+    };
+  }
+  auto plan = plan_regions(m, options);
+  plan.region_names.assign(plan.blocks.size(), "block");
   return plan;
 }
 

@@ -15,7 +15,7 @@ using Json = nlohmann::ordered_json;
 constexpr std::array<Category, kNumCategories> kCategories = {
     Category::kParameter, Category::kGradient,  Category::kOptimizerState,
     Category::kActivation, Category::kTemporary, Category::kInput,
-    Category::kUnknown};
+    Category::kUnknown, Category::kBeforeAudit};
 
 Category category_from_name(const std::string& name) {
   for (auto c : kCategories) {
@@ -43,12 +43,97 @@ Json category_bytes_json(const CategoryBytes& b) {
   return j;
 }
 
+// Note [Reading a report is reading hostile input]
+// `trainmem report FILE` reads what anyone may have written. Every number is
+// checked before use: a whole number (1.5 is not silently truncated), within
+// range (1e30 is no UB cast, INT64_MIN reaches no negation), and byte counts
+// are >= 0 and at most 4 EiB, so sums over them cannot overflow. The nesting
+// depth is bounded before parsing.
+constexpr int64_t kMaxReportBytes = int64_t{1} << 62;
+constexpr int kMaxReportDepth = 32;
+
+int64_t int_value(const Json& v, const std::string& what, int64_t lo, int64_t hi) {
+  bool ok = false;
+  int64_t out = 0;
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    ok = u <= static_cast<uint64_t>(hi) && hi >= 0;
+    out = ok ? static_cast<int64_t>(u) : 0;
+    ok = ok && out >= lo;
+  } else if (v.is_number_integer()) {
+    out = v.get<int64_t>();
+    ok = out >= lo && out <= hi;
+  }
+  TORCH_CHECK(ok, "report_from_json: expected ", what, " to be a whole number in [", lo, ", ", hi, "], but got ",
+              v.dump());
+  return out;
+}
+
+// A byte count or a count of things: 0 .. 4 EiB.
+int64_t count_at(const Json& obj, const char* key, int64_t lo = 0) {
+  return int_value(obj.at(key), std::string("\"") + key + "\"", lo, kMaxReportBytes);
+}
+
+double number_at(const Json& obj, const char* key, double lo, double hi) {
+  const auto& v = obj.at(key);
+  const double d = v.is_number() ? v.get<double>() : std::nan("");
+  TORCH_CHECK(v.is_number() && std::isfinite(d) && d >= lo && d <= hi, "report_from_json: expected \"", key,
+              "\" to be a number in [", lo, ", ", hi, "], but got ", v.dump());
+  return d;
+}
+
 CategoryBytes category_bytes_from(const Json& j) {
   CategoryBytes b{};
+  TORCH_CHECK(j.is_object(), "report_from_json: expected bytes by category as an object, but got ", j.dump());
   for (auto it = j.begin(); it != j.end(); ++it) {
-    b[static_cast<int>(category_from_name(it.key()))] = it.value().get<int64_t>();
+    b[static_cast<int>(category_from_name(it.key()))] =
+        int_value(it.value(), "bytes of " + it.key(), 0, kMaxReportBytes);
   }
   return b;
+}
+
+// Deepest nesting of arrays and objects in `text`, outside strings.
+int json_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+// Text from a report file may hold anything JSON allows; a terminal must
+// not receive its control characters (escape sequences). C0, DEL and the C1
+// controls (UTF-8 C2 80..C2 9F) are written as \xNN / \u00NN.
+std::string printable(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c == 0x7f) {
+      out += fmt::format("\\x{:02x}", c);
+    } else if (c == 0xc2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 &&
+               static_cast<unsigned char>(s[i + 1]) <= 0x9f) {
+      out += fmt::format("\\u00{:02x}", static_cast<unsigned char>(s[i + 1]));
+      ++i;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
 }
 
 std::string pct(int64_t part, int64_t whole) {
@@ -59,7 +144,9 @@ std::string pct(int64_t part, int64_t whole) {
 } // namespace
 
 std::string with_commas(int64_t value) {
-  std::string digits = std::to_string(value < 0 ? -value : value);
+  // The magnitude as unsigned: -INT64_MIN does not fit in int64_t.
+  const uint64_t magnitude = value < 0 ? 0 - static_cast<uint64_t>(value) : static_cast<uint64_t>(value);
+  std::string digits = std::to_string(magnitude);
   std::string out;
   for (size_t i = 0; i < digits.size(); ++i) {
     if (i > 0 && (digits.size() - i) % 3 == 0) {
@@ -95,18 +182,40 @@ int64_t AuditReport::static_bytes() const {
 
 // ---- text -------------------------------------------------------------------
 
+StepSummary summarize_steps(const std::vector<StepRecord>& steps) {
+  TORCH_CHECK(!steps.empty(), "summarize_steps: no steps to summarize");
+  auto stat = [&](auto get) {
+    std::vector<int64_t> v;
+    v.reserve(steps.size());
+    for (const auto& s : steps) {
+      v.push_back(get(s));
+    }
+    std::sort(v.begin(), v.end());
+    return StepStat{v.front(), v[(v.size() - 1) / 2], v.back()};
+  };
+  StepSummary sum;
+  sum.num_steps = static_cast<int64_t>(steps.size());
+  sum.peak_bytes = stat([](const StepRecord& s) { return s.peak_bytes; });
+  sum.forward_peak_bytes = stat([](const StepRecord& s) { return s.forward_peak_bytes; });
+  sum.backward_peak_bytes = stat([](const StepRecord& s) { return s.backward_peak_bytes; });
+  sum.optimizer_peak_bytes = stat([](const StepRecord& s) { return s.optimizer_peak_bytes; });
+  sum.saved_activation_bytes = stat([](const StepRecord& s) { return s.saved_activation_bytes; });
+  sum.time_us = stat([](const StepRecord& s) { return static_cast<int64_t>(std::llround(s.time_ms * 1000.0)); });
+  return sum;
+}
+
 std::string to_text(const AuditReport& r) {
-  std::string out = fmt::format("trainmem audit: {} on {}\n", r.title, r.device);
+  std::string out = fmt::format("trainmem audit: {} on {}\n", printable(r.title), printable(r.device));
   if (!r.config.empty()) {
     std::string line;
     for (const auto& [k, v] : r.config) {
-      line += fmt::format("{}{}={}", line.empty() ? "" : " ", k, v);
+      line += fmt::format("{}{}={}", line.empty() ? "" : " ", printable(k), printable(v));
     }
     out += "  " + line + "\n";
   }
   out += fmt::format("\nstatic buckets ({} parameters)\n", with_commas(r.num_params));
   for (const auto& b : r.buckets) {
-    out += fmt::format("  {:<36} {:>16} B  {:>10}\n", b.name, with_commas(b.bytes), human_bytes(b.bytes));
+    out += fmt::format("  {:<36} {:>16} B  {:>10}\n", printable(b.name), with_commas(b.bytes), human_bytes(b.bytes));
   }
   out += fmt::format("  {:<36} {:>16} B  {:>10}\n", "total", with_commas(r.static_bytes()),
                      human_bytes(r.static_bytes()));
@@ -121,15 +230,34 @@ std::string to_text(const AuditReport& r) {
   const size_t top = std::min<size_t>(r.saved_by_node.size(), 8);
   for (size_t i = 0; i < top; ++i) {
     const auto& n = r.saved_by_node[i];
-    out += fmt::format("  {:<46} {:>16} B  {:>8}\n", n.node, with_commas(n.bytes),
+    out += fmt::format("  {:<46} {:>16} B  {:>8}\n", printable(n.node), with_commas(n.bytes),
                        pct(n.bytes, r.saved_activation_bytes));
+  }
+  if (r.saved_activation_bytes > 0) {
+    out += fmt::format("  where: {} B on the device, {} B offloaded to the host\n",
+                       with_commas(r.saved_device_bytes), with_commas(r.saved_host_bytes));
   }
   if (!r.steps.empty()) {
     out += "\nsteps          time ms      peak B               forward peak B      backward peak B     optimizer peak B\n";
-    for (const auto& s : r.steps) {
+    const bool summarize = static_cast<int64_t>(r.steps.size()) > kMaxStepRows;
+    const size_t rows = summarize ? 3 : r.steps.size();
+    for (size_t i = 0; i < rows; ++i) {
+      const auto& s = r.steps[i];
       out += fmt::format("  {:<8} {:>10.1f}   {:>18}   {:>18}   {:>18}   {:>18}\n", s.step, s.time_ms,
                          with_commas(s.peak_bytes), with_commas(s.forward_peak_bytes),
                          with_commas(s.backward_peak_bytes), with_commas(s.optimizer_peak_bytes));
+    }
+    if (summarize) {
+      const auto sum = summarize_steps(r.steps);
+      out += fmt::format("  ... {} steps in all:\n", sum.num_steps);
+      const std::pair<const char*, int64_t StepStat::*> rows3[] = {
+          {"min", &StepStat::min}, {"median", &StepStat::median}, {"max", &StepStat::max}};
+      for (const auto& [label, field] : rows3) {
+        out += fmt::format("  {:<8} {:>10.1f}   {:>18}   {:>18}   {:>18}   {:>18}\n", label,
+                           static_cast<double>(sum.time_us.*field) / 1000.0, with_commas(sum.peak_bytes.*field),
+                           with_commas(sum.forward_peak_bytes.*field), with_commas(sum.backward_peak_bytes.*field),
+                           with_commas(sum.optimizer_peak_bytes.*field));
+      }
     }
     out += fmt::format("peak over steps      {:>16} B  {:>10}\n", with_commas(r.peak_bytes), human_bytes(r.peak_bytes));
   }
@@ -147,7 +275,7 @@ std::string to_text(const AuditReport& r) {
     }
   }
   const auto& d = r.device_stats;
-  out += fmt::format("\ndevice {}: allocated {} B (peak {}), reserved {} B (peak {})\n", d.device,
+  out += fmt::format("\ndevice {}: allocated {} B (peak {}), reserved {} B (peak {})\n", printable(d.device),
                      with_commas(d.allocated_bytes), with_commas(d.peak_allocated_bytes),
                      with_commas(d.reserved_bytes), with_commas(d.peak_reserved_bytes));
   if (d.num_alloc_retries > 0 || d.num_ooms > 0) {
@@ -156,10 +284,10 @@ std::string to_text(const AuditReport& r) {
   out += fmt::format("fragmentation: slack {} B, inactive split {} B\n", with_commas(r.fragmentation.slack_bytes),
                      with_commas(r.fragmentation.inactive_split_bytes));
   for (const auto& h : r.fragmentation.hints) {
-    out += "  hint: " + h + "\n";
+    out += "  hint: " + printable(h) + "\n";
   }
   for (const auto& n : r.notes) {
-    out += "note: " + n + "\n";
+    out += "note: " + printable(n) + "\n";
   }
   return out;
 }
@@ -184,6 +312,8 @@ std::string to_json(const AuditReport& r, int indent) {
   j["buckets"] = buckets;
   j["static_bytes"] = r.static_bytes();
   j["saved_activation_bytes"] = r.saved_activation_bytes;
+  j["saved_device_bytes"] = r.saved_device_bytes;
+  j["saved_host_bytes"] = r.saved_host_bytes;
   Json nodes = Json::array();
   for (const auto& n : r.saved_by_node) {
     nodes.push_back({{"node", n.node}, {"bytes", n.bytes}, {"num_tensors", n.num_tensors}});
@@ -225,6 +355,7 @@ std::string to_json(const AuditReport& r, int indent) {
   Json phases = Json::array();
   for (const auto& p : r.phases) {
     phases.push_back({{"phase", phase_name(p.phase)},
+                      {"name", p.name},
                       {"step", p.step},
                       {"begin_ns", p.begin_ns},
                       {"end_ns", p.end_ns},
@@ -249,6 +380,9 @@ std::string to_json(const AuditReport& r, int indent) {
 }
 
 AuditReport report_from_json(const std::string& text) {
+  const int depth = json_depth(text);
+  TORCH_CHECK(depth <= kMaxReportDepth, "report_from_json: expected JSON nested at most ", kMaxReportDepth,
+              " deep, but got ", depth);
   Json j;
   try {
     j = Json::parse(text);
@@ -267,74 +401,80 @@ AuditReport report_from_json(const std::string& text) {
       r.config.emplace_back(it.key(), it.value().get<std::string>());
     }
     r.device = j.at("device").get<std::string>();
-    r.num_params = j.at("num_params").get<int64_t>();
+    r.num_params = count_at(j, "num_params");
     for (const auto& b : j.at("buckets")) {
       r.buckets.push_back({b.at("name").get<std::string>(),
-                           category_from_name(b.at("category").get<std::string>()),
-                           b.at("bytes").get<int64_t>()});
+                           category_from_name(b.at("category").get<std::string>()), count_at(b, "bytes")});
     }
-    r.saved_activation_bytes = j.at("saved_activation_bytes").get<int64_t>();
+    r.saved_activation_bytes = count_at(j, "saved_activation_bytes");
+    r.saved_device_bytes = j.contains("saved_device_bytes") ? count_at(j, "saved_device_bytes") : r.saved_activation_bytes;
+    r.saved_host_bytes = j.contains("saved_host_bytes") ? count_at(j, "saved_host_bytes") : 0;
     for (const auto& n : j.at("saved_by_node")) {
-      r.saved_by_node.push_back({n.at("node").get<std::string>(), n.at("bytes").get<int64_t>(),
-                                 n.at("num_tensors").get<int64_t>()});
+      r.saved_by_node.push_back({n.at("node").get<std::string>(), count_at(n, "bytes"), count_at(n, "num_tensors")});
     }
-    r.predicted_activation_bytes = j.at("predicted_activation_bytes").get<int64_t>();
+    r.predicted_activation_bytes = count_at(j, "predicted_activation_bytes", -1);  // -1: none
     for (const auto& s : j.at("steps")) {
       StepRecord rec;
-      rec.step = s.at("step").get<int64_t>();
-      rec.time_ms = s.at("time_ms").get<double>();
-      rec.peak_bytes = s.at("peak_bytes").get<int64_t>();
-      rec.forward_peak_bytes = s.at("forward_peak_bytes").get<int64_t>();
-      rec.backward_peak_bytes = s.at("backward_peak_bytes").get<int64_t>();
-      rec.optimizer_peak_bytes = s.at("optimizer_peak_bytes").get<int64_t>();
-      rec.saved_activation_bytes = s.at("saved_activation_bytes").get<int64_t>();
+      rec.step = count_at(s, "step");
+      rec.time_ms = number_at(s, "time_ms", 0.0, 1e15);
+      rec.peak_bytes = count_at(s, "peak_bytes");
+      rec.forward_peak_bytes = count_at(s, "forward_peak_bytes");
+      rec.backward_peak_bytes = count_at(s, "backward_peak_bytes");
+      rec.optimizer_peak_bytes = count_at(s, "optimizer_peak_bytes");
+      rec.saved_activation_bytes = count_at(s, "saved_activation_bytes");
       r.steps.push_back(rec);
     }
-    r.peak_bytes = j.at("peak_bytes").get<int64_t>();
+    r.peak_bytes = count_at(j, "peak_bytes");
     r.peak_by_category = category_bytes_from(j.at("peak_by_category_bytes"));
     const auto& d = j.at("device_stats");
     auto& s = r.device_stats;
     s.device = d.at("device").get<std::string>();
-    s.allocated_bytes = d.at("allocated_bytes").get<int64_t>();
-    s.peak_allocated_bytes = d.at("peak_allocated_bytes").get<int64_t>();
-    s.reserved_bytes = d.at("reserved_bytes").get<int64_t>();
-    s.peak_reserved_bytes = d.at("peak_reserved_bytes").get<int64_t>();
-    s.active_bytes = d.at("active_bytes").get<int64_t>();
-    s.peak_active_bytes = d.at("peak_active_bytes").get<int64_t>();
-    s.inactive_split_bytes = d.at("inactive_split_bytes").get<int64_t>();
-    s.peak_inactive_split_bytes = d.at("peak_inactive_split_bytes").get<int64_t>();
-    s.requested_bytes = d.at("requested_bytes").get<int64_t>();
-    s.num_allocs = d.at("num_allocs").get<int64_t>();
-    s.num_frees = d.at("num_frees").get<int64_t>();
-    s.num_alloc_retries = d.at("num_alloc_retries").get<int64_t>();
-    s.num_ooms = d.at("num_ooms").get<int64_t>();
+    s.allocated_bytes = count_at(d, "allocated_bytes");
+    s.peak_allocated_bytes = count_at(d, "peak_allocated_bytes");
+    s.reserved_bytes = count_at(d, "reserved_bytes");
+    s.peak_reserved_bytes = count_at(d, "peak_reserved_bytes");
+    s.active_bytes = count_at(d, "active_bytes");
+    s.peak_active_bytes = count_at(d, "peak_active_bytes");
+    s.inactive_split_bytes = count_at(d, "inactive_split_bytes");
+    s.peak_inactive_split_bytes = count_at(d, "peak_inactive_split_bytes");
+    s.requested_bytes = count_at(d, "requested_bytes");
+    s.num_allocs = count_at(d, "num_allocs");
+    s.num_frees = count_at(d, "num_frees");
+    s.num_alloc_retries = count_at(d, "num_alloc_retries");
+    s.num_ooms = count_at(d, "num_ooms");
     const auto& f = j.at("fragmentation");
-    r.fragmentation.slack_bytes = f.at("slack_bytes").get<int64_t>();
-    r.fragmentation.inactive_split_bytes = f.at("inactive_split_bytes").get<int64_t>();
-    r.fragmentation.slack_fraction = f.at("slack_fraction").get<double>();
+    r.fragmentation.slack_bytes = count_at(f, "slack_bytes");
+    r.fragmentation.inactive_split_bytes = count_at(f, "inactive_split_bytes");
+    r.fragmentation.slack_fraction = number_at(f, "slack_fraction", 0.0, 1.0);
     r.fragmentation.hints = f.at("hints").get<std::vector<std::string>>();
     for (const auto& p : j.at("phases")) {
       PhaseSpan span;
       span.phase = phase_from_name(p.at("phase").get<std::string>());
-      span.step = p.at("step").get<int64_t>();
-      span.begin_ns = p.at("begin_ns").get<int64_t>();
-      span.end_ns = p.at("end_ns").get<int64_t>();
-      span.peak_bytes = p.at("peak_bytes").get<int64_t>();
+      if (p.contains("name")) {
+        span.name = p.at("name").get<std::string>();
+      }
+      span.step = count_at(p, "step");
+      span.begin_ns = count_at(p, "begin_ns");
+      span.end_ns = count_at(p, "end_ns");
+      TORCH_CHECK(span.end_ns >= span.begin_ns, "report_from_json: a phase ends (", span.end_ns,
+                  " ns) before it begins (", span.begin_ns, " ns)");
+      span.peak_bytes = count_at(p, "peak_bytes");
       span.peak_by_category = category_bytes_from(p.at("peak_by_category_bytes"));
       r.phases.push_back(span);
     }
     const auto& series = j.at("series");
     const auto& times = series.at("time_ns");
+    TORCH_CHECK(times.is_array(), "report_from_json: expected series.time_ns to be an array");
     r.series.resize(times.size());
     for (size_t i = 0; i < times.size(); ++i) {
-      r.series[i].time_ns = times[i].get<int64_t>();
+      r.series[i].time_ns = int_value(times[i], "a series time", 0, kMaxReportBytes);
     }
     for (auto it = series.at("bytes").begin(); it != series.at("bytes").end(); ++it) {
       const int c = static_cast<int>(category_from_name(it.key()));
-      TORCH_CHECK(it.value().size() == times.size(), "report_from_json: series \"", it.key(), "\" has ",
-                  it.value().size(), " points, but time_ns has ", times.size());
+      TORCH_CHECK(it.value().is_array() && it.value().size() == times.size(), "report_from_json: series \"",
+                  it.key(), "\" has ", it.value().size(), " points, but time_ns has ", times.size());
       for (size_t i = 0; i < times.size(); ++i) {
-        r.series[i].bytes[c] = it.value()[i].get<int64_t>();
+        r.series[i].bytes[c] = int_value(it.value()[i], "series \"" + it.key() + "\" bytes", 0, kMaxReportBytes);
       }
     }
     r.notes = j.at("notes").get<std::vector<std::string>>();
@@ -361,7 +501,7 @@ std::string to_chrome_trace(const AuditReport& r) {
                       {"ts", static_cast<double>(p.time_ns) / 1000.0}, {"args", args}});
   }
   for (const auto& p : r.phases) {
-    events.push_back({{"name", fmt::format("step {} {}", p.step, phase_name(p.phase))},
+    events.push_back({{"name", fmt::format("step {} {}", p.step, span_label(p))},
                       {"cat", phase_name(p.phase)},
                       {"ph", "X"},
                       {"pid", 1},

@@ -15,6 +15,7 @@ const char* category_name(Category category) {
     case Category::kTemporary: return "TEMPORARY";
     case Category::kInput: return "INPUT";
     case Category::kUnknown: return "unknown";
+    case Category::kBeforeAudit: return "before the audit";
   }
   return "unknown";
 }
@@ -28,6 +29,14 @@ const char* phase_name(Phase phase) {
   return "unknown";
 }
 
+std::string span_label(const PhaseSpan& span) {
+  std::string label = phase_name(span.phase);
+  if (!span.name.empty()) {
+    label += " (" + span.name + ")";
+  }
+  return label;
+}
+
 int64_t TimelinePoint::total_bytes() const {
   int64_t sum = 0;
   for (auto b : bytes) {
@@ -38,37 +47,56 @@ int64_t TimelinePoint::total_bytes() const {
 
 std::vector<TimelinePoint> live_bytes(const Timeline& timeline, int64_t max_points) {
   TORCH_CHECK(max_points >= 0, "live_bytes: expected max_points >= 0, but got ", max_points);
-  std::vector<TimelinePoint> all;
-  all.reserve(timeline.events.size() + 1);
+  const size_t total = timeline.events.size() + 1;  // the baseline, then one point per event
+  const bool thin = max_points > 0 && static_cast<int64_t>(total) > max_points;
+  std::vector<TimelinePoint> out;
+  out.reserve(thin ? static_cast<size_t>(max_points) + 1 : total);
   TimelinePoint p;
   p.time_ns = timeline.events.empty() ? 0 : timeline.events.front().time_ns;
   p.bytes = timeline.baseline_bytes;
-  all.push_back(p);
-  for (const auto& e : timeline.events) {
-    p.time_ns = e.time_ns;
-    p.bytes[static_cast<int>(e.category)] += e.bytes;
-    all.push_back(p);
-  }
-  if (max_points <= 0 || static_cast<int64_t>(all.size()) <= max_points) {
-    return all;
+  if (!thin) {
+    out.push_back(p);
+    for (const auto& e : timeline.events) {
+      p.time_ns = e.time_ns;
+      p.bytes[static_cast<int>(e.category)] += e.bytes;
+      out.push_back(p);
+    }
+    return out;
   }
   // Keep the first and last points, and the fullest point of each stretch:
-  // a plot of the thinned series still shows every peak's height.
-  std::vector<TimelinePoint> out;
+  // a plot of the thinned series still shows every peak's height. One pass,
+  // never the whole series in memory (a long run has millions of events).
   const size_t stretches = static_cast<size_t>(std::max<int64_t>(max_points - 2, 1));
-  const size_t n = all.size() - 2;
-  out.push_back(all.front());
-  for (size_t s = 0; s < stretches; ++s) {
-    const size_t lo = 1 + s * n / stretches;
-    const size_t hi = 1 + (s + 1) * n / stretches;
-    if (lo >= hi) {
-      continue;
+  const size_t n = total - 2;  // points strictly between the first and the last
+  out.push_back(p);
+  size_t stretch = 0;
+  size_t hi = 1 + n / stretches;  // end (exclusive) of the current stretch
+  bool have_best = false;
+  TimelinePoint best;
+  for (size_t i = 1; i < total; ++i) {
+    const auto& e = timeline.events[i - 1];
+    p.time_ns = e.time_ns;
+    p.bytes[static_cast<int>(e.category)] += e.bytes;
+    if (i == total - 1) {
+      break;  // the last point, added below
     }
-    auto best = std::max_element(all.begin() + lo, all.begin() + hi,
-        [](const auto& a, const auto& b) { return a.total_bytes() < b.total_bytes(); });
-    out.push_back(*best);
+    while (i >= hi && stretch + 1 < stretches) {
+      if (have_best) {
+        out.push_back(best);
+        have_best = false;
+      }
+      ++stretch;
+      hi = 1 + (stretch + 1) * n / stretches;
+    }
+    if (!have_best || p.total_bytes() > best.total_bytes()) {
+      best = p;
+      have_best = true;
+    }
   }
-  out.push_back(all.back());
+  if (have_best) {
+    out.push_back(best);
+  }
+  out.push_back(p);
   return out;
 }
 

@@ -3,6 +3,7 @@
 #include <memory>
 #include <optional>
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -15,6 +16,7 @@
 
 #include "trainmem/allocator.h"
 #include "trainmem/audit.h"
+#include "trainmem/grad_scaler.h"
 #include "trainmem/offload.h"
 #include "trainmem/optimizer_in_backward.h"
 #include "trainmem/selective.h"
@@ -43,17 +45,18 @@ const char* precision_name(Precision precision) {
     case Precision::kFp32: return "fp32";
     case Precision::kBf16Autocast: return "bf16-autocast";
     case Precision::kBf16: return "bf16";
+    case Precision::kFp16Autocast: return "fp16-autocast";
   }
   return "fp32";
 }
 
 Precision parse_precision(const std::string& name) {
-  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16}) {
+  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16Autocast}) {
     if (name == precision_name(p)) {
       return p;
     }
   }
-  TORCH_CHECK(false, "expected precision fp32, bf16-autocast or bf16, but got \"", name, "\"");
+  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16 or fp16-autocast, but got \"", name, "\"");
 }
 
 void check_trainer_options(const TrainerOptions& o) {
@@ -73,6 +76,10 @@ void check_trainer_options(const TrainerOptions& o) {
   TORCH_CHECK(o.accumulation() >= 1, "expected accumulation >= 1, but got ", o.accumulation());
   TORCH_CHECK(m.batch() % o.accumulation() == 0, "expected batch ", m.batch(),
               " to split into accumulation ", o.accumulation(), " equal micro-batches");
+  TORCH_CHECK(!(o.precision() == Precision::kFp16Autocast && o.optimizer_in_backward()),
+              "precision fp16-autocast needs a GradScaler, which cannot unscale or skip the steps an "
+              "optimizer in backward takes inside backward; use bf16-autocast (no loss scaling) with "
+              "optimizer_in_backward");
   std::optional<c10::Device> device;
   try {
     device.emplace(o.device());
@@ -130,9 +137,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
 
   Audit audit(*model, optimizer.get(), device, AuditOptions().title("reference transformer").timeline(o.timeline()));
   if (in_backward) {
-    for (const auto& p : model->parameters()) {
-      audit.add_optimizer(in_backward->optimizer_for(p));
-    }
+    audit.add_optimizer(*in_backward);
   }
   audit.set_config("layers", std::to_string(mo.num_layers()));
   audit.set_config("d_model", std::to_string(mo.d_model()));
@@ -157,8 +162,17 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
                    "so the optimizer state is half of a mixed-precision recipe's fp32 moments");
   }
 
+  const bool amp_on = o.precision() == Precision::kBf16Autocast || o.precision() == Precision::kFp16Autocast;
   detail::AutocastState autocast;
-  autocast.entries.push_back({device.type(), true, at::kBFloat16});
+  autocast.entries.push_back(
+      {device.type(), true, o.precision() == Precision::kFp16Autocast ? at::kHalf : at::kBFloat16});
+  // fp16 underflows: dynamic loss scaling (grad_scaler.h); bf16 needs none.
+  GradScaler scaler(GradScalerOptions().enabled(o.precision() == Precision::kFp16Autocast));
+  if (device.is_cuda()) {
+    at::globalContext().setAllowTF32CuBLAS(o.tf32());
+    at::globalContext().setAllowTF32CuDNN(o.tf32());
+    audit.set_config("tf32", o.tf32() ? "on" : "off");
+  }
 
   TrainingRun run;
   for (int64_t step = 0; step < o.steps(); ++step) {
@@ -176,7 +190,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
         at::Tensor loss;
         {
           std::optional<detail::AutocastGuard> amp;
-          if (o.precision() == Precision::kBf16Autocast) {
+          if (amp_on) {
             amp.emplace(autocast);
           }
           std::optional<SaveOnCpuGuard> offload;
@@ -186,14 +200,15 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
           // Mean over the whole batch = sum of micro-batch means / k.
           loss = model->forward(xb, plan).to(at::kFloat).pow(2).mean() / static_cast<double>(k);
         }
-        if (o.precision() == Precision::kBf16Autocast) {
+        if (amp_on) {
           at::autocast::clear_cache();
         }
-        loss.backward();
+        scaler.scale(loss).backward();
         loss_sum += loss.item<double>();
       }
       if (optimizer) {
-        optimizer->step();
+        scaler.step(*optimizer);  // a plain step unless fp16-autocast
+        scaler.update();
       }
     }
     if (step == 0 && optimizer && o.keep_grads()) {
@@ -209,7 +224,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
     }
   }
   run.report = audit.report();
-  run.timeline = audit.timeline();
+  run.timeline = audit.take_timeline();  // one copy of a long run's events, not two
   return run;
 }
 

@@ -6,11 +6,14 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
 #include "trainmem/meter.h"
+#include "trainmem/selective.h"
 
 namespace {
 
@@ -272,6 +275,114 @@ TEST(CheckpointTest, SequentialCheckpointsAllButTheLastSegment) {
   EXPECT_EQ(trainmem::sqrt_segments(16), 4);
   EXPECT_EQ(trainmem::sqrt_segments(6), 2);
   EXPECT_EQ(trainmem::sqrt_segments(1), 1);
+}
+
+// A conv net with BatchNorm and dropout, built the same way each time.
+torch::nn::Sequential bn_net() {
+  using namespace torch::nn;
+  torch::manual_seed(5);
+  return Sequential(Conv2d(Conv2dOptions(3, 8, 3).padding(1)), BatchNorm2d(8), ReLU(),
+                    Dropout(0.3), Conv2d(Conv2dOptions(8, 4, 3).padding(1)), BatchNorm2d(4),
+                    ReLU());
+}
+
+struct BnStep {
+  Grads grads;
+  std::vector<at::Tensor> buffers;  // running_mean, running_var, num_batches_tracked of each BN
+  at::Tensor next_random;           // the RNG's next draw after the step
+};
+
+// Two training steps' forward and backward (no optimizer): the second sees
+// the running statistics the first left.
+BnStep bn_steps(const std::function<at::Tensor(torch::nn::Sequential&, const at::Tensor&)>& forward) {
+  auto net = bn_net();
+  torch::manual_seed(11);
+  auto x = torch::randn({4, 3, 8, 8}).requires_grad_();
+  for (int step = 0; step < 2; ++step) {
+    clear_grads(x, *net);
+    auto loss = forward(net, x).pow(2).mean();
+    (void)torch::rand({7});  // the RNG moves between forward and backward
+    loss.backward();
+  }
+  BnStep r{grads_of(x, *net), {}, torch::rand({4})};
+  for (const auto& b : net->buffers()) r.buffers.push_back(b.clone());
+  return r;
+}
+
+void expect_same_step(const BnStep& ref, const BnStep& got) {
+  expect_identical(ref.grads, got.grads);
+  ASSERT_EQ(ref.buffers.size(), got.buffers.size());
+  ASSERT_EQ(ref.buffers.size(), 6u);
+  for (size_t i = 0; i < ref.buffers.size(); ++i) {
+    EXPECT_TRUE(ref.buffers[i].equal(got.buffers[i]))
+        << "buffer " << i << ": " << ref.buffers[i] << " vs " << got.buffers[i];
+  }
+  EXPECT_TRUE(ref.next_random.equal(got.next_random));
+}
+
+// Note [Recompute does not change state]: BatchNorm's running statistics and
+// num_batches_tracked move once per step under every kind of checkpoint, and
+// dropout's recomputed mask is the forward's (gradients identical).
+TEST(CheckpointTest, BatchNormStatisticsUpdateOncePerStep) {
+  const auto plain = bn_steps([](torch::nn::Sequential& net, const at::Tensor& x) { return net->forward(x); });
+  EXPECT_EQ(plain.buffers[2].item<int64_t>(), 2);  // num_batches_tracked: two steps
+  EXPECT_EQ(plain.buffers[5].item<int64_t>(), 2);
+  {
+    SCOPED_TRACE("non-reentrant");
+    expect_same_step(plain, bn_steps([](torch::nn::Sequential& net, const at::Tensor& x) {
+                       return trainmem::checkpoint(net, x);
+                     }));
+  }
+  {
+    SCOPED_TRACE("non-reentrant, no early stop");
+    expect_same_step(plain, bn_steps([](torch::nn::Sequential& net, const at::Tensor& x) {
+                       return trainmem::checkpoint(net, x, trainmem::CheckpointOptions().early_stop(false));
+                     }));
+  }
+  {
+    SCOPED_TRACE("reentrant");
+    expect_same_step(plain, bn_steps([](torch::nn::Sequential& net, const at::Tensor& x) {
+                       return trainmem::checkpoint(net, x, trainmem::CheckpointOptions().use_reentrant(true));
+                     }));
+  }
+  {
+    SCOPED_TRACE("checkpoint_sequential");
+    expect_same_step(plain, bn_steps([](torch::nn::Sequential& net, const at::Tensor& x) {
+                       return trainmem::checkpoint_sequential(net, 3, x);
+                     }));
+  }
+  {
+    SCOPED_TRACE("selective");
+    expect_same_step(plain, bn_steps([](torch::nn::Sequential& net, const at::Tensor& x) {
+                       auto opts = trainmem::CheckpointOptions().context_fn(
+                           trainmem::create_selective_checkpoint_contexts(trainmem::save_matmuls_policy()));
+                       return trainmem::checkpoint(net, x, opts);
+                     }));
+  }
+}
+
+// The copy is of state from outside the region only: a buffer the region
+// makes and writes in place is its own (nothing restored, gradients right).
+TEST(CheckpointTest, RecomputeKeepsInPlaceWritesOnItsOwnTensors) {
+  auto counter = torch::zeros({1}, torch::kLong);
+  auto w = torch::randn({4, 4}).requires_grad_();
+  auto x = torch::randn({2, 4}).requires_grad_();
+  auto region = [&](const at::Tensor& in) {
+    counter.add_(1);                       // state outside: restored after recompute
+    auto h = at::mm(in, w);
+    h.mul_(2).relu_();                      // its own tensor: written in place as usual
+    return h;
+  };
+  auto plain = region(x).sum();
+  plain.backward();
+  const auto gx = x.grad().clone(), gw = w.grad().clone();
+  x.mutable_grad().reset();
+  w.mutable_grad().reset();
+  counter.zero_();
+  trainmem::checkpoint(region, x).sum().backward();
+  EXPECT_EQ(counter.item<int64_t>(), 1);  // not 2
+  EXPECT_TRUE(gx.equal(x.grad()));
+  EXPECT_TRUE(gw.equal(w.grad()));
 }
 
 } // namespace

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include "trainmem/allocator.h"
 
@@ -91,6 +92,46 @@ TEST(DeviceCudaTest, CountsAKnownTensorAndRecordsHistory) {
   ASSERT_GT(snapshot.size(), 2u);
   EXPECT_EQ(static_cast<unsigned char>(snapshot[0]), 0x80);  // a raw pickle
   EXPECT_EQ(trainmem::device_memory_stats(dev).peak_allocated_bytes - before.allocated_bytes, 4 << 20);
+}
+
+// Each ctest is its own process (gtest_discover_tests), so this runs before
+// anything has touched CUDA: stats, peak reset and history must initialise it
+// themselves (Note [Initialise CUDA before reading its allocator]), and the
+// history must be accepted by LibTorch (stacks "all", not "cpp").
+TEST(DeviceCudaTest, SnapshotFromAFreshProcessHasTheAllocation) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const c10::Device dev("cuda:0");
+  const auto before = trainmem::device_memory_stats(dev);  // first CUDA call of the process
+  trainmem::reset_peak(dev);
+  trainmem::start_cuda_memory_history();
+  const int64_t bytes = 6 << 20;  // 6 MiB: a multiple of the allocator's 2 MiB rounding
+  {
+    auto t = at::empty({bytes / 4}, at::TensorOptions().dtype(at::kFloat).device(dev));
+    EXPECT_EQ(trainmem::device_memory_stats(dev).allocated_bytes - before.allocated_bytes, bytes);
+  }
+  const auto snapshot = trainmem::cuda_memory_snapshot();
+  trainmem::stop_cuda_memory_history();
+  const auto d = torch::jit::unpickle(snapshot.data(), snapshot.size()).toGenericDict();
+  ASSERT_TRUE(d.contains("segments"));
+  const auto traces = d.at("device_traces").toList();
+  ASSERT_GE(traces.size(), 1u);
+  int num_allocs = 0;
+  int num_frees = 0;
+  const auto trace = traces.get(0).toList();
+  for (size_t i = 0; i < trace.size(); ++i) {
+    const auto entry = trace.get(i).toGenericDict();
+    if (entry.at("size").toInt() != bytes) {
+      continue;
+    }
+    const auto action = entry.at("action").toStringRef();
+    num_allocs += action == "alloc" ? 1 : 0;
+    num_frees += action == "free_completed" ? 1 : 0;
+  }
+  EXPECT_EQ(num_allocs, 1);
+  EXPECT_EQ(num_frees, 1);
+  EXPECT_EQ(trainmem::device_memory_stats(dev).peak_allocated_bytes - before.allocated_bytes, bytes);
 }
 
 } // namespace

@@ -2,23 +2,31 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 #include <thread>
 
 #include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <torch/nn/modules/pooling.h>
 #include <torch/nn/options/normalization.h>
 #include <torch/serialize.h>
 
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/checkpoint.h"
+#include "trainmem/meter.h"
 #include "trainmem/selective.h"
 #include "trainmem/transformer.h"
 
@@ -349,6 +357,574 @@ TEST(MetaTest, SelectiveRegionInsideTheGuardComposes) {
   EXPECT_TRUE(y.is_meta());
   EXPECT_EQ(stats->op("aten::mm.default").num_cached, 1);
   EXPECT_EQ(stats->op("aten::ones.default").num_forward, 1);
+}
+
+// ---------------------------------------------------------------------------
+// Meta kernels for conv nets: each module's forward and backward on meta
+// saves exactly what the CPU's saves, and its outputs and gradients have the
+// CPU's sizes, strides and dtypes (Note [Meta kernels for conv nets]).
+
+std::string layout_of(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::ostringstream os;
+  os << t.sizes() << " strides " << t.strides() << " " << t.scalar_type();
+  return os.str();
+}
+
+// What one forward (under a meter) and backward (torch::autograd::grad, so the
+// gradients are the ops' own, not AccumulateGrad's copies) produced.
+struct Trace {
+  trainmem::SavedTensorReport saved;
+  std::vector<std::string> outputs;
+  std::vector<std::string> grads;
+};
+
+using MakeModule = std::function<std::shared_ptr<torch::nn::Module>()>;
+// Inputs on `device`; the float ones require grad.
+using MakeInputs = std::function<std::vector<at::Tensor>(c10::Device)>;
+using Forward = std::function<std::vector<at::Tensor>(torch::nn::Module&, const std::vector<at::Tensor>&)>;
+
+Trace trace(torch::nn::Module& m, c10::Device device, const MakeInputs& make_inputs,
+            const Forward& forward) {
+  Trace r;
+  auto inputs = make_inputs(device);
+  trainmem::SavedTensorMeter meter(m);
+  std::vector<at::Tensor> outs;
+  {
+    trainmem::SavedTensorMeterGuard scope(meter);
+    outs = forward(m, inputs);
+  }
+  r.saved = meter.report();
+  for (const auto& o : outs) r.outputs.push_back(layout_of(o));
+  std::vector<at::Tensor> wrt;
+  for (const auto& i : inputs) {
+    if (i.requires_grad()) wrt.push_back(i);
+  }
+  for (const auto& p : m.parameters()) {
+    if (p.requires_grad()) wrt.push_back(p);
+  }
+  auto grads = torch::autograd::grad({outs[0]}, wrt, {at::ones_like(outs[0])},
+                                     /*retain_graph=*/false, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+  for (const auto& g : grads) r.grads.push_back(layout_of(g));
+  return r;
+}
+
+std::string by_node_of(const trainmem::SavedTensorReport& r) {
+  std::string s;
+  for (const auto& n : r.by_node) {
+    s += n.node + " " + std::to_string(n.bytes) + " B / " + std::to_string(n.num_tensors) + "; ";
+  }
+  return s;
+}
+
+// Runs the same module (built on CPU, and built on meta with nothing
+// allocated) on CPU and on meta; returns the CPU's saved bytes.
+int64_t expect_meta_matches_cpu(const std::string& name, const MakeModule& make,
+                                const MakeInputs& inputs, const Forward& forward,
+                                bool eval = false) {
+  SCOPED_TRACE(name);
+  torch::manual_seed(0);
+  auto cpu = make();
+  std::shared_ptr<torch::nn::Module> meta;
+  {
+    trainmem::MetaInitGuard guard;
+    meta = make();
+  }
+  for (const auto& p : meta->parameters()) EXPECT_TRUE(p.is_meta());
+  if (eval) {
+    cpu->eval();
+    meta->eval();
+  }
+  const auto c = trace(*cpu, at::kCPU, inputs, forward);
+  const auto m = trace(*meta, at::kMeta, inputs, forward);
+  EXPECT_EQ(m.saved.saved_bytes, c.saved.saved_bytes) << "meta " << by_node_of(m.saved) << "\ncpu " << by_node_of(c.saved);
+  EXPECT_EQ(m.saved.num_tensors, c.saved.num_tensors);
+  EXPECT_EQ(m.saved.num_storages, c.saved.num_storages);
+  EXPECT_EQ(by_node_of(m.saved), by_node_of(c.saved));
+  EXPECT_EQ(m.outputs, c.outputs);
+  EXPECT_EQ(m.grads, c.grads);
+  EXPECT_GT(c.saved.num_tensors, 0);
+  std::printf("%-28s saved %lld B on CPU and on meta\n", name.c_str(),
+              static_cast<long long>(c.saved.saved_bytes));
+  return c.saved.saved_bytes;
+}
+
+at::Tensor float_input(c10::Device device, std::vector<int64_t> sizes,
+                       at::MemoryFormat format = at::MemoryFormat::Contiguous) {
+  auto opts = at::TensorOptions().device(device);
+  auto t = device.is_meta() ? at::empty(sizes, opts.memory_format(format))
+                            : at::randn(sizes, opts).contiguous(format);
+  return t.requires_grad_();
+}
+
+at::Tensor index_input(c10::Device device, std::vector<int64_t> sizes, int64_t high) {
+  auto opts = at::TensorOptions().device(device).dtype(at::kLong);
+  return device.is_meta() ? at::empty(sizes, opts) : at::randint(high, sizes, opts);
+}
+
+template <typename M>
+MakeModule module_of(std::function<M()> make) {
+  return [make] { return make().ptr(); };
+}
+
+MakeInputs one_input(std::vector<int64_t> sizes, at::MemoryFormat format = at::MemoryFormat::Contiguous) {
+  return [=](c10::Device d) { return std::vector<at::Tensor>{float_input(d, sizes, format)}; };
+}
+
+template <typename Impl>
+Forward forward_of() {
+  return [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{dynamic_cast<Impl&>(m).forward(in[0])};
+  };
+}
+
+TEST(MetaKernelTest, ConvolutionMatchesCpu) {
+  using namespace torch::nn;
+  expect_meta_matches_cpu("conv1d", module_of<Conv1d>([] { return Conv1d(Conv1dOptions(3, 4, 3)); }),
+                          one_input({2, 3, 10}), forward_of<Conv1dImpl>());
+  expect_meta_matches_cpu(
+      "conv2d stride 2 pad 1",
+      module_of<Conv2d>([] { return Conv2d(Conv2dOptions(3, 8, 3).stride(2).padding(1)); }),
+      one_input({2, 3, 16, 16}), forward_of<Conv2dImpl>());
+  expect_meta_matches_cpu(
+      "conv2d dilated no bias",
+      module_of<Conv2d>([] { return Conv2d(Conv2dOptions(3, 8, 3).dilation(2).bias(false)); }),
+      one_input({2, 3, 16, 16}), forward_of<Conv2dImpl>());
+  expect_meta_matches_cpu(
+      "conv2d groups 2",
+      module_of<Conv2d>([] { return Conv2d(Conv2dOptions(4, 6, 3).groups(2)); }),
+      one_input({2, 4, 9, 9}), forward_of<Conv2dImpl>());
+  expect_meta_matches_cpu(
+      "conv2d depthwise",
+      module_of<Conv2d>([] { return Conv2d(Conv2dOptions(4, 4, 3).groups(4).padding(1)); }),
+      one_input({2, 4, 9, 9}), forward_of<Conv2dImpl>());
+  expect_meta_matches_cpu("conv2d 1x1",
+                          module_of<Conv2d>([] { return Conv2d(Conv2dOptions(3, 5, 1)); }),
+                          one_input({1, 3, 7, 7}), forward_of<Conv2dImpl>());
+  expect_meta_matches_cpu(
+      "conv2d channels-last",
+      module_of<Conv2d>([] { return Conv2d(Conv2dOptions(3, 8, 3)); }),
+      one_input({2, 3, 10, 10}, at::MemoryFormat::ChannelsLast), forward_of<Conv2dImpl>());
+  expect_meta_matches_cpu(
+      "conv2d padding same",
+      module_of<Conv2d>([] { return Conv2d(Conv2dOptions(3, 4, 4).padding(torch::kSame)); }),
+      one_input({2, 3, 8, 8}), forward_of<Conv2dImpl>());
+  expect_meta_matches_cpu("conv3d", module_of<Conv3d>([] { return Conv3d(Conv3dOptions(2, 4, 3)); }),
+                          one_input({2, 2, 6, 6, 6}), forward_of<Conv3dImpl>());
+  expect_meta_matches_cpu(
+      "conv3d channels-last",
+      module_of<Conv3d>([] { return Conv3d(Conv3dOptions(2, 4, 3).stride(2)); }),
+      one_input({2, 2, 7, 7, 7}, at::MemoryFormat::ChannelsLast3d), forward_of<Conv3dImpl>());
+}
+
+TEST(MetaKernelTest, TransposedConvolutionMatchesCpu) {
+  using namespace torch::nn;
+  auto fwd1 = [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{dynamic_cast<ConvTranspose1dImpl&>(m).forward(in[0])};
+  };
+  auto fwd2 = [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{dynamic_cast<ConvTranspose2dImpl&>(m).forward(in[0])};
+  };
+  auto fwd3 = [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{dynamic_cast<ConvTranspose3dImpl&>(m).forward(in[0])};
+  };
+  expect_meta_matches_cpu(
+      "conv_transpose1d",
+      module_of<ConvTranspose1d>([] { return ConvTranspose1d(ConvTranspose1dOptions(4, 3, 3).stride(2)); }),
+      one_input({2, 4, 7}), fwd1);
+  expect_meta_matches_cpu(
+      "conv_transpose2d groups 2",
+      module_of<ConvTranspose2d>([] {
+        return ConvTranspose2d(
+            ConvTranspose2dOptions(4, 6, 3).stride(2).groups(2).padding(1).output_padding(1));
+      }),
+      one_input({2, 4, 5, 5}), fwd2);
+  expect_meta_matches_cpu(
+      "conv_transpose2d dcgan",
+      module_of<ConvTranspose2d>([] {
+        return ConvTranspose2d(ConvTranspose2dOptions(16, 8, 4).stride(2).padding(1).bias(false));
+      }),
+      one_input({3, 16, 4, 4}), fwd2);
+  expect_meta_matches_cpu(
+      "conv_transpose3d",
+      module_of<ConvTranspose3d>([] { return ConvTranspose3d(ConvTranspose3dOptions(2, 3, 2).stride(2)); }),
+      one_input({1, 2, 3, 3, 3}), fwd3);
+}
+
+TEST(MetaKernelTest, BatchNormMatchesCpuInTrainingAndEval) {
+  using namespace torch::nn;
+  for (bool eval : {false, true}) {
+    const std::string mode = eval ? " eval" : " train";
+    expect_meta_matches_cpu("batch_norm1d (N, C)" + mode,
+                            module_of<BatchNorm1d>([] { return BatchNorm1d(6); }),
+                            one_input({8, 6}), forward_of<BatchNorm1dImpl>(), eval);
+    expect_meta_matches_cpu("batch_norm1d (N, C, L)" + mode,
+                            module_of<BatchNorm1d>([] { return BatchNorm1d(6); }),
+                            one_input({4, 6, 5}), forward_of<BatchNorm1dImpl>(), eval);
+    expect_meta_matches_cpu("batch_norm2d" + mode,
+                            module_of<BatchNorm2d>([] { return BatchNorm2d(3); }),
+                            one_input({2, 3, 5, 5}), forward_of<BatchNorm2dImpl>(), eval);
+    expect_meta_matches_cpu("batch_norm2d channels-last" + mode,
+                            module_of<BatchNorm2d>([] { return BatchNorm2d(3); }),
+                            one_input({2, 3, 5, 5}, at::MemoryFormat::ChannelsLast),
+                            forward_of<BatchNorm2dImpl>(), eval);
+    expect_meta_matches_cpu(
+        "batch_norm2d no affine" + mode,
+        module_of<BatchNorm2d>([] { return BatchNorm2d(BatchNormOptions(3).affine(false)); }),
+        one_input({2, 3, 5, 5}), forward_of<BatchNorm2dImpl>(), eval);
+    expect_meta_matches_cpu("batch_norm3d" + mode,
+                            module_of<BatchNorm3d>([] { return BatchNorm3d(2); }),
+                            one_input({2, 2, 3, 3, 3}), forward_of<BatchNorm3dImpl>(), eval);
+  }
+}
+
+TEST(MetaKernelTest, PoolingMatchesCpu) {
+  using namespace torch::nn;
+  auto none = [] { return std::make_shared<torch::nn::Module>(); };
+  auto fn = [](std::function<at::Tensor(const at::Tensor&)> f) -> Forward {
+    return [f](torch::nn::Module&, const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{f(in[0])};
+    };
+  };
+  namespace F = torch::nn::functional;
+  expect_meta_matches_cpu("max_pool1d", none, one_input({2, 3, 9}),
+                          fn([](const at::Tensor& x) { return at::max_pool1d(x, {2}); }));
+  expect_meta_matches_cpu("max_pool2d", none, one_input({2, 3, 9, 9}),
+                          fn([](const at::Tensor& x) { return at::max_pool2d(x, {3, 3}, {2, 2}); }));
+  expect_meta_matches_cpu(
+      "max_pool2d ceil pad", none, one_input({2, 3, 9, 9}),
+      fn([](const at::Tensor& x) { return at::max_pool2d(x, {3, 3}, {2, 2}, {1, 1}, {1, 1}, true); }));
+  expect_meta_matches_cpu("max_pool2d channels-last", none,
+                          one_input({2, 3, 8, 8}, at::MemoryFormat::ChannelsLast),
+                          fn([](const at::Tensor& x) { return at::max_pool2d(x, {2, 2}); }));
+  expect_meta_matches_cpu("max_pool3d", none, one_input({2, 3, 5, 5, 5}),
+                          fn([](const at::Tensor& x) { return at::max_pool3d(x, {2, 2, 2}); }));
+  expect_meta_matches_cpu(
+      "max_pool3d ceil pad", none, one_input({1, 2, 5, 6, 7}),
+      fn([](const at::Tensor& x) { return at::max_pool3d(x, {3, 3, 3}, {2, 2, 2}, {1, 1, 1}, {1, 1, 1}, true); }));
+  expect_meta_matches_cpu("max_pool3d channels-last", none,
+                          one_input({2, 3, 4, 4, 4}, at::MemoryFormat::ChannelsLast3d),
+                          fn([](const at::Tensor& x) { return at::max_pool3d(x, {2, 2, 2}); }));
+  // With indices: the module's forward_with_indices (both outputs compared).
+  expect_meta_matches_cpu(
+      "max_pool2d with indices", module_of<MaxPool2d>([] { return MaxPool2d(MaxPool2dOptions(2)); }),
+      one_input({2, 3, 8, 8}), [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+        auto [y, i] = dynamic_cast<MaxPool2dImpl&>(m).forward_with_indices(in[0]);
+        return std::vector<at::Tensor>{y, i};
+      });
+  expect_meta_matches_cpu(
+      "max_pool3d with indices", module_of<MaxPool3d>([] { return MaxPool3d(MaxPool3dOptions(2)); }),
+      one_input({2, 3, 4, 4, 4}), [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+        auto [y, i] = dynamic_cast<MaxPool3dImpl&>(m).forward_with_indices(in[0]);
+        return std::vector<at::Tensor>{y, i};
+      });
+  expect_meta_matches_cpu("avg_pool1d", none, one_input({2, 3, 9}),
+                          fn([](const at::Tensor& x) { return at::avg_pool1d(x, {3}, {2}); }));
+  expect_meta_matches_cpu("avg_pool2d", none, one_input({2, 3, 9, 9}),
+                          fn([](const at::Tensor& x) { return at::avg_pool2d(x, {3, 3}, {2, 2}, {1, 1}); }));
+  expect_meta_matches_cpu("avg_pool3d", none, one_input({2, 3, 4, 4, 4}),
+                          fn([](const at::Tensor& x) { return at::avg_pool3d(x, {2, 2, 2}); }));
+  expect_meta_matches_cpu("adaptive_avg_pool2d 3x3", none, one_input({2, 3, 8, 8}),
+                          fn([](const at::Tensor& x) { return at::adaptive_avg_pool2d(x, {3, 3}); }));
+  // 1x1 is a mean (saves nothing): a sigmoid first, so the bytes compared are not all zero.
+  expect_meta_matches_cpu(
+      "adaptive_avg_pool2d 1x1", none, one_input({2, 3, 8, 8}),
+      fn([](const at::Tensor& x) { return at::adaptive_avg_pool2d(x.sigmoid(), {1, 1}); }));
+  expect_meta_matches_cpu("adaptive_avg_pool3d", none, one_input({2, 3, 4, 4, 4}),
+                          fn([](const at::Tensor& x) { return at::adaptive_avg_pool3d(x, {2, 3, 2}); }));
+  expect_meta_matches_cpu(
+      "adaptive_max_pool2d", none, one_input({2, 3, 8, 8}),
+      fn([](const at::Tensor& x) { return std::get<0>(at::adaptive_max_pool2d(x, {3, 3})); }));
+}
+
+TEST(MetaKernelTest, DropoutEmbeddingAndLossesMatchCpu) {
+  using namespace torch::nn;
+  namespace F = torch::nn::functional;
+  expect_meta_matches_cpu("dropout", module_of<Dropout>([] { return Dropout(0.5); }),
+                          one_input({4, 16}), forward_of<DropoutImpl>());
+  expect_meta_matches_cpu("dropout2d", module_of<Dropout2d>([] { return Dropout2d(0.25); }),
+                          one_input({2, 4, 5, 5}), forward_of<Dropout2dImpl>());
+  expect_meta_matches_cpu("dropout eval", module_of<Dropout>([] { return Dropout(0.5); }),
+                          [](c10::Device d) {  // something must be saved: a relu first
+                            return std::vector<at::Tensor>{float_input(d, {4, 16})};
+                          },
+                          [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+                            return std::vector<at::Tensor>{dynamic_cast<DropoutImpl&>(m).forward(in[0].relu())};
+                          },
+                          /*eval=*/true);
+  expect_meta_matches_cpu(
+      "embedding", module_of<Embedding>([] { return Embedding(100, 16); }),
+      [](c10::Device d) { return std::vector<at::Tensor>{index_input(d, {2, 5}, 100)}; },
+      [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{dynamic_cast<EmbeddingImpl&>(m).forward(in[0]).tanh()};
+      });
+  auto logits_and_target = [](std::vector<int64_t> logits, std::vector<int64_t> target) -> MakeInputs {
+    return [=](c10::Device d) {
+      return std::vector<at::Tensor>{float_input(d, logits), index_input(d, target, logits[1])};
+    };
+  };
+  auto none = [] { return std::make_shared<torch::nn::Module>(); };
+  auto loss = [](std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> f) -> Forward {
+    return [f](torch::nn::Module&, const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{f(in[0], in[1])};
+    };
+  };
+  expect_meta_matches_cpu("cross_entropy", none, logits_and_target({8, 10}, {8}),
+                          loss([](const at::Tensor& x, const at::Tensor& t) { return F::cross_entropy(x, t); }));
+  expect_meta_matches_cpu(
+      "cross_entropy label smoothing", none, logits_and_target({8, 10}, {8}),
+      loss([](const at::Tensor& x, const at::Tensor& t) {
+        return F::cross_entropy(x, t, F::CrossEntropyFuncOptions().label_smoothing(0.1));
+      }));
+  expect_meta_matches_cpu(
+      "cross_entropy sum", none, logits_and_target({8, 10}, {8}),
+      loss([](const at::Tensor& x, const at::Tensor& t) {
+        return F::cross_entropy(x, t, F::CrossEntropyFuncOptions().reduction(torch::kSum));
+      }));
+  expect_meta_matches_cpu("cross_entropy 4-D", none, logits_and_target({2, 5, 3, 3}, {2, 3, 3}),
+                          loss([](const at::Tensor& x, const at::Tensor& t) { return F::cross_entropy(x, t); }));
+  expect_meta_matches_cpu(
+      "cross_entropy 4-D none", none, logits_and_target({2, 5, 3, 3}, {2, 3, 3}),
+      loss([](const at::Tensor& x, const at::Tensor& t) {
+        return F::cross_entropy(x, t, F::CrossEntropyFuncOptions().reduction(torch::kNone));
+      }));
+  expect_meta_matches_cpu(
+      "nll_loss of log_softmax", none, logits_and_target({8, 10}, {8}),
+      loss([](const at::Tensor& x, const at::Tensor& t) { return F::nll_loss(x.log_softmax(1), t); }));
+  expect_meta_matches_cpu(
+      "mse_loss", none, one_input({4, 5}),
+      [](torch::nn::Module&, const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{F::mse_loss(in[0], at::zeros_like(in[0]))};
+      });
+  expect_meta_matches_cpu(
+      "binary_cross_entropy", none, one_input({4, 5}),
+      [](torch::nn::Module&, const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{F::binary_cross_entropy(in[0].sigmoid(), at::zeros_like(in[0]))};
+      });
+}
+
+// The PyTorch C++ examples' MNIST convnet, as a user writes it.
+struct MnistNet : torch::nn::Module {
+  MnistNet()
+      : conv1(torch::nn::Conv2dOptions(1, 10, 5)),
+        conv2(torch::nn::Conv2dOptions(10, 20, 5)),
+        fc1(320, 50),
+        fc2(50, 10) {
+    register_module("conv1", conv1);
+    register_module("conv2", conv2);
+    register_module("conv2_drop", conv2_drop);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = at::relu(at::max_pool2d(conv1->forward(x), 2));
+    x = at::relu(at::max_pool2d(conv2_drop->forward(conv2->forward(x)), 2));
+    x = x.view({-1, 320});
+    x = at::relu(fc1->forward(x));
+    x = torch::dropout(x, /*p=*/0.5, /*train=*/is_training());
+    x = fc2->forward(x);
+    return torch::log_softmax(x, /*dim=*/1);
+  }
+  torch::nn::Conv2d conv1;
+  torch::nn::Conv2d conv2;
+  torch::nn::Dropout2d conv2_drop;
+  torch::nn::Linear fc1;
+  torch::nn::Linear fc2;
+};
+
+TEST(MetaKernelTest, MnistConvnetSavesTheCpuBytesOnMeta) {
+  const int64_t saved = expect_meta_matches_cpu(
+      "mnist convnet + nll", [] { return std::make_shared<MnistNet>(); },
+      [](c10::Device d) {
+        return std::vector<at::Tensor>{float_input(d, {16, 1, 28, 28}), index_input(d, {16}, 10)};
+      },
+      [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+        auto out = dynamic_cast<MnistNet&>(m).forward(in[0]);
+        return std::vector<at::Tensor>{torch::nn::functional::nll_loss(out, in[1]), out};
+      });
+  EXPECT_GT(saved, 16 * 10 * 24 * 24 * 4);  // at least conv1's output
+}
+
+// A conv net with BatchNorm (AlexNet/ResNet style) and a DCGAN generator.
+TEST(MetaKernelTest, ResidualBatchNormNetAndGeneratorMatchCpu) {
+  using namespace torch::nn;
+  expect_meta_matches_cpu(
+      "conv-bn-relu-pool stack",
+      [] {
+        return Sequential(Conv2d(Conv2dOptions(3, 8, 3).padding(1).bias(false)), BatchNorm2d(8),
+                          ReLU(), MaxPool2d(MaxPool2dOptions(2)),
+                          Conv2d(Conv2dOptions(8, 16, 3).padding(1).bias(false)), BatchNorm2d(16),
+                          ReLU(), AdaptiveAvgPool2d(AdaptiveAvgPool2dOptions({1, 1})), Flatten(),
+                          Linear(16, 10))
+            .ptr();
+      },
+      one_input({4, 3, 16, 16}), forward_of<SequentialImpl>());
+  expect_meta_matches_cpu(
+      "dcgan generator",
+      [] {
+        return Sequential(
+                   ConvTranspose2d(ConvTranspose2dOptions(16, 32, 4).bias(false)), BatchNorm2d(32),
+                   ReLU(),
+                   ConvTranspose2d(ConvTranspose2dOptions(32, 16, 3).stride(2).padding(1).bias(false)),
+                   BatchNorm2d(16), ReLU(),
+                   ConvTranspose2d(ConvTranspose2dOptions(16, 1, 4).stride(2).padding(1).bias(false)),
+                   Tanh())
+            .ptr();
+      },
+      one_input({4, 16, 1, 1}), forward_of<SequentialImpl>());
+  // The DCGAN discriminator (LeakyReLU, BatchNorm, a sigmoid and BCE against ones).
+  expect_meta_matches_cpu(
+      "dcgan discriminator + bce",
+      [] {
+        return Sequential(Conv2d(Conv2dOptions(1, 8, 4).stride(2).padding(1).bias(false)),
+                          LeakyReLU(LeakyReLUOptions().negative_slope(0.2)),
+                          Conv2d(Conv2dOptions(8, 16, 4).stride(2).padding(1).bias(false)), BatchNorm2d(16),
+                          LeakyReLU(LeakyReLUOptions().negative_slope(0.2)),
+                          Conv2d(Conv2dOptions(16, 1, 4).stride(1).padding(0).bias(false)), Sigmoid())
+            .ptr();
+      },
+      one_input({4, 1, 16, 16}), [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+        auto p = dynamic_cast<SequentialImpl&>(m).forward(in[0]).view({-1});
+        return std::vector<at::Tensor>{torch::nn::functional::binary_cross_entropy(p, at::ones_like(p)), p};
+      });
+}
+
+// A ResNet basic block: conv-BN-ReLU-conv-BN plus a strided 1x1 conv-BN shortcut, then ReLU.
+struct BasicBlock : torch::nn::Module {
+  BasicBlock()
+      : conv1(torch::nn::Conv2dOptions(4, 8, 3).stride(2).padding(1).bias(false)),
+        bn1(8),
+        conv2(torch::nn::Conv2dOptions(8, 8, 3).padding(1).bias(false)),
+        bn2(8),
+        down(torch::nn::Conv2dOptions(4, 8, 1).stride(2).bias(false)),
+        down_bn(8) {
+    register_module("conv1", conv1);
+    register_module("bn1", bn1);
+    register_module("conv2", conv2);
+    register_module("bn2", bn2);
+    register_module("down", down);
+    register_module("down_bn", down_bn);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = at::relu(bn1->forward(conv1->forward(x)));
+    h = bn2->forward(conv2->forward(h));
+    return at::relu(h + down_bn->forward(down->forward(x)));
+  }
+  torch::nn::Conv2d conv1;
+  torch::nn::BatchNorm2d bn1;
+  torch::nn::Conv2d conv2;
+  torch::nn::BatchNorm2d bn2;
+  torch::nn::Conv2d down;
+  torch::nn::BatchNorm2d down_bn;
+};
+
+TEST(MetaKernelTest, ResNetBasicBlockMatchesCpu) {
+  for (auto format : {at::MemoryFormat::Contiguous, at::MemoryFormat::ChannelsLast}) {
+    for (bool eval : {false, true}) {
+      expect_meta_matches_cpu(
+          std::string("resnet basic block") + (format == at::MemoryFormat::ChannelsLast ? " channels-last" : "") +
+              (eval ? " eval" : " train"),
+          [] { return std::make_shared<BasicBlock>(); }, one_input({2, 4, 8, 8}, format),
+          [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+            return std::vector<at::Tensor>{dynamic_cast<BasicBlock&>(m).forward(in[0])};
+          },
+          eval);
+    }
+  }
+}
+
+// bf16: a bf16 conv net, and BatchNorm with bf16 input and fp32 parameters
+// (the CPU's mixed-type kernel: statistics and parameter grads in fp32).
+TEST(MetaKernelTest, Bf16ConvolutionAndMixedBatchNormMatchCpu) {
+  using namespace torch::nn;
+  auto bf16_input = [](std::vector<int64_t> sizes, at::MemoryFormat format) -> MakeInputs {
+    return [=](c10::Device d) {
+      auto opts = at::TensorOptions().device(d).dtype(at::kBFloat16);
+      auto t = d.is_meta() ? at::empty(sizes, opts.memory_format(format))
+                           : at::randn(sizes, opts).contiguous(format);
+      return std::vector<at::Tensor>{t.requires_grad_()};
+    };
+  };
+  auto bf16 = [](MakeModule make) -> MakeModule {
+    return [make] {
+      auto m = make();
+      m->to(at::kBFloat16);
+      return m;
+    };
+  };
+  for (auto format : {at::MemoryFormat::Contiguous, at::MemoryFormat::ChannelsLast}) {
+    const std::string f = format == at::MemoryFormat::Contiguous ? "" : " channels-last";
+    expect_meta_matches_cpu("bf16 conv2d" + f,
+                            bf16(module_of<Conv2d>([] { return Conv2d(Conv2dOptions(3, 8, 3).padding(1)); })),
+                            bf16_input({2, 3, 8, 8}, format), forward_of<Conv2dImpl>());
+    expect_meta_matches_cpu("bf16 conv_transpose2d" + f,
+                            bf16(module_of<ConvTranspose2d>([] {
+                              return ConvTranspose2d(ConvTranspose2dOptions(3, 4, 4).stride(2).padding(1));
+                            })),
+                            bf16_input({2, 3, 5, 5}, format),
+                            [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
+                              return std::vector<at::Tensor>{dynamic_cast<ConvTranspose2dImpl&>(m).forward(in[0])};
+                            });
+    for (bool eval : {false, true}) {
+      expect_meta_matches_cpu("bf16 input, fp32 batch_norm2d" + f + (eval ? " eval" : " train"),
+                              module_of<BatchNorm2d>([] { return BatchNorm2d(3); }),
+                              bf16_input({2, 3, 5, 5}, format), forward_of<BatchNorm2dImpl>(), eval);
+    }
+  }
+}
+
+// The meta kernels check their arguments as the CPU's do, naming the values.
+TEST(MetaKernelTest, BadShapesOnMetaNameTheValues) {
+  trainmem::register_meta_kernels();
+  const auto opts = at::TensorOptions().device(at::kMeta);
+  auto message = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  const auto channels = message([&] { at::conv2d(at::empty({1, 3, 8, 8}, opts), at::empty({4, 2, 3, 3}, opts)); });
+  EXPECT_NE(channels.find("[4, 2, 3, 3]"), std::string::npos) << channels;
+  EXPECT_NE(channels.find("[1, 3, 8, 8]"), std::string::npos) << channels;
+  const auto small = message([&] { at::conv2d(at::empty({1, 2, 2, 2}, opts), at::empty({4, 2, 3, 3}, opts)); });
+  EXPECT_NE(small.find("too small"), std::string::npos) << small;
+  const auto pool = message([&] { at::max_pool3d(at::empty({2, 3, 4, 4}, opts), {5, 5, 5}); });
+  EXPECT_NE(pool.find("max_pool3d"), std::string::npos) << pool;
+}
+
+TEST(MetaKernelTest, FindsTheOpWithNoMetaKernel) {
+  auto missing = trainmem::find_missing_meta_kernel([] {
+    auto x = at::empty({4, 5}, at::TensorOptions().device(at::kMeta));
+    at::histc(x, 10);
+  });
+  ASSERT_TRUE(missing.has_value());
+  EXPECT_EQ(missing->op, "aten::histc") << missing->message;
+  EXPECT_NE(missing->message.find("Meta"), std::string::npos) << missing->message;
+  // A conv net's whole step runs on meta: nothing is missing.
+  std::shared_ptr<MnistNet> net;
+  {
+    trainmem::MetaInitGuard meta;
+    net = std::make_shared<MnistNet>();
+  }
+  EXPECT_FALSE(trainmem::find_missing_meta_kernel([&] {
+                 net->forward(at::empty({4, 1, 28, 28}, at::TensorOptions().device(at::kMeta)))
+                     .sum()
+                     .backward();
+               }).has_value());
+  // A composite kernel's wording ("convolution_overrideable not implemented").
+  auto composite = trainmem::find_missing_meta_kernel([] {
+    auto opts = at::TensorOptions().device(at::kMeta);
+    at::convolution_overrideable(at::empty({1, 2, 5, 5}, opts), at::empty({3, 2, 3, 3}, opts), std::nullopt,
+                                 {1, 1}, {0, 0}, {1, 1}, false, {0, 0}, 1);
+  });
+  ASSERT_TRUE(composite.has_value());
+  EXPECT_EQ(composite->op, "aten::convolution") << composite->message;
+  // Other errors are not a missing kernel: they propagate.
+  EXPECT_THROW(trainmem::find_missing_meta_kernel([] { TORCH_CHECK(false, "not about meta"); }),
+               c10::Error);
 }
 
 } // namespace

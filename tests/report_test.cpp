@@ -27,9 +27,9 @@ trainmem::AuditReport sample_report() {
   r.device_stats.allocated_bytes = 16000;
   r.device_stats.peak_allocated_bytes = 90000;
   r.fragmentation.hints = {"a hint"};
-  r.phases = {{Phase::kForward, 0, 0, 1000, 80000, {4000, 0, 0, 30000, 46000, 0, 0}},
-              {Phase::kBackward, 0, 1000, 3000, 90000, {4000, 4000, 0, 30000, 52000, 0, 0}},
-              {Phase::kOptimizerStep, 0, 3000, 4000, 70000, {}}};
+  r.phases = {{Phase::kForward, "", 0, 0, 1000, 80000, {4000, 0, 0, 30000, 46000, 0, 0}},
+              {Phase::kBackward, "", 0, 1000, 3000, 90000, {4000, 4000, 0, 30000, 52000, 0, 0}},
+              {Phase::kOptimizerStep, "", 0, 3000, 4000, 70000, {}}};
   for (int i = 0; i < 5; ++i) {
     trainmem::TimelinePoint p;
     p.time_ns = i * 1000;
@@ -94,7 +94,7 @@ TEST(ReportTest, ChromeTraceHasCountersPerCategoryAndPhaseSlices) {
   for (const auto& e : j["traceEvents"]) {
     if (e["ph"] == "C") {
       ++counters;
-      EXPECT_EQ(e["args"].size(), 7u);
+      EXPECT_EQ(e["args"].size(), static_cast<size_t>(trainmem::kNumCategories));  // one counter per category
       EXPECT_TRUE(e["args"]["ACTIVATION"].is_number_integer());
     } else if (e["ph"] == "X") {
       ++slices;
@@ -127,11 +127,39 @@ TEST(ReportTest, MemoryVizPickleReadsBack) {
   EXPECT_EQ(seg.at("address").toInt(), 0x1000);
   EXPECT_EQ(seg.at("segment_type").toStringRef(), "large");
   const auto trace = d.at("device_traces").toList().get(0).toList();
-  ASSERT_EQ(trace.size(), 4u);  // alloc, alloc, free_requested, free_completed
-  EXPECT_EQ(trace.get(0).toGenericDict().at("action").toStringRef(), "alloc");
-  EXPECT_EQ(trace.get(3).toGenericDict().at("action").toStringRef(), "free_completed");
-  const auto frame = trace.get(0).toGenericDict().at("frames").toList().get(0).toGenericDict();
+  // Each CPU block is its own segment (Note [CPU blocks as memory_viz segments]).
+  const std::vector<std::string> actions = {"segment_alloc", "alloc", "segment_alloc", "alloc",
+                                            "free_requested", "free_completed", "segment_free"};
+  ASSERT_EQ(trace.size(), actions.size());
+  for (size_t i = 0; i < actions.size(); ++i) {
+    EXPECT_EQ(trace.get(i).toGenericDict().at("action").toStringRef(), actions[i]) << "entry " << i;
+  }
+  EXPECT_EQ(trace.get(6).toGenericDict().at("size").toInt(), 256);
+  EXPECT_EQ(trace.get(1).toGenericDict().at("category").toStringRef(), "activation");
+  EXPECT_EQ(trace.get(6).toGenericDict().at("category").toStringRef(), "temporary");
+  const auto frame = trace.get(1).toGenericDict().at("frames").toList().get(0).toGenericDict();
   EXPECT_EQ(frame.at("name").toStringRef(), "ACTIVATION in forward, step 0");
+}
+
+// A zero-byte block's alloc and free both carry 0 B: the first is its alloc.
+TEST(ReportTest, MemoryVizZeroByteBlockIsAllocatedThenFreed) {
+  trainmem::Timeline t;
+  t.events = {{10, 0, 0x2000, Category::kTemporary, Phase::kForward, 0},
+              {20, 0, 0x2000, Category::kTemporary, Phase::kForward, 0},
+              {30, 0, 0x3000, Category::kActivation, Phase::kForward, 0}};  // still live
+  const auto bytes = trainmem::to_memory_viz_pickle(t);
+  const auto d = torch::jit::unpickle(bytes.data(), bytes.size()).toGenericDict();
+  const auto trace = d.at("device_traces").toList().get(0).toList();
+  const std::vector<std::string> actions = {"segment_alloc", "alloc", "free_requested", "free_completed",
+                                            "segment_free", "segment_alloc", "alloc"};
+  ASSERT_EQ(trace.size(), actions.size());
+  for (size_t i = 0; i < actions.size(); ++i) {
+    EXPECT_EQ(trace.get(i).toGenericDict().at("action").toStringRef(), actions[i]) << "entry " << i;
+  }
+  const auto segments = d.at("segments").toList();
+  ASSERT_EQ(segments.size(), 1u);
+  EXPECT_EQ(segments.get(0).toGenericDict().at("address").toInt(), 0x3000);
+  EXPECT_EQ(segments.get(0).toGenericDict().at("total_size").toInt(), 0);
 }
 
 TEST(ReportTest, ThinningKeepsThePeak) {

@@ -10,7 +10,7 @@ import pickle
 import subprocess
 import sys
 
-CATEGORIES = ["PARAMETER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "unknown"]
+CATEGORIES = ["PARAMETER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "unknown", "before the audit"]
 
 
 def fail(msg):
@@ -93,18 +93,62 @@ def check_trace(path):
         fail(f"{path}: phase slices {names}")
 
 
+def replay_segments(snap, trace):
+    """What memory_viz's "Allocator State History" does: start from the final
+    segments and undo the trace backwards. Every block must lie in a segment
+    the trace allocated (segment_alloc) or that existed at the end."""
+    segs = {}
+    for seg in snap["segments"]:
+        live = {b["address"]: b["size"] for b in seg["blocks"] if b["state"] == "active_allocated"}
+        segs[seg["address"]] = {"size": seg["total_size"], "live": live}
+
+    def segment_of(addr):
+        for saddr, seg in segs.items():
+            if saddr <= addr < saddr + max(seg["size"], 1):
+                return seg
+        fail(f"snapshot: block {addr:#x} lies in no segment (the viewer's Allocator State History breaks)")
+
+    for i in range(len(trace) - 1, -1, -1):
+        e = trace[i]
+        a, addr = e["action"], e["addr"]
+        if a == "segment_free":
+            if addr in segs:
+                fail(f"snapshot entry {i}: segment_free of {addr:#x}, which is still a segment later")
+            segs[addr] = {"size": e["size"], "live": {}}
+        elif a == "free_completed":
+            seg = segment_of(addr)
+            if addr in seg["live"]:
+                fail(f"snapshot entry {i}: free of {addr:#x}, which is live again before anything allocates it")
+            seg["live"][addr] = e["size"]
+        elif a == "alloc":
+            seg = segment_of(addr)
+            if seg["live"].pop(addr, None) != e["size"]:
+                fail(f"snapshot entry {i}: alloc of {addr:#x} ({e['size']} B) is not the block live after it")
+        elif a == "segment_alloc":
+            seg = segs.pop(addr, None)
+            if seg is None or seg["live"]:
+                fail(f"snapshot entry {i}: segment_alloc of {addr:#x} with no segment or live blocks after it")
+
+
 def check_snapshot(path):
     with open(path, "rb") as f:
         snap = pickle.load(f)
     trace = snap["device_traces"][0]
     actions = {e["action"] for e in trace}
-    if not {"alloc", "free_requested", "free_completed"} <= actions:
-        fail(f"{path}: actions {actions}")
+    want = {"segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"}
+    if not want <= actions:
+        fail(f"{path}: actions {actions}, expected {want}")
     for seg in snap["segments"]:
         if sum(b["size"] for b in seg["blocks"]) != seg["total_size"]:
             fail(f"{path}: blocks do not tile segment {seg['address']}")
+    cats = {c.lower() for c in CATEGORIES}
+    for e in trace:
+        if e.get("category") not in cats:
+            fail(f"{path}: entry {e['action']} at {e['addr']:#x} has category {e.get('category')!r}")
+    replay_segments(snap, trace)
     try:
         import torch  # noqa: F401
+        from torch.cuda import _memory_viz as mv
     except ImportError:
         print("SKIP: torch is not importable; memory_viz not checked")
         sys.exit(77)
@@ -113,10 +157,20 @@ def check_snapshot(path):
                            capture_output=True, text=True)
         if r.returncode != 0:
             fail(f"memory_viz {cmd}: {r.stderr[-2000:]}")
-    r = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace", path],
-                       capture_output=True, text=True)
-    if f"{len([e for e in trace if e['action'] == 'alloc'])}" not in r.stdout and "entries" not in r.stdout:
-        fail("memory_viz trace printed no entries")
+    # PyTorch's own reading of the trace: every entry, each alloc inside a
+    # segment it saw allocated (not "MEM[...]", memory from nowhere).
+    out = mv.trace(snap)
+    if f"{len(trace)} entries" not in out:
+        fail(f"memory_viz trace did not read {len(trace)} entries: {out[:200]!r}")
+    num_segment_allocs = sum(1 for e in trace if e["action"] == "segment_alloc")
+    if out.count("cudaMalloc(") != num_segment_allocs:
+        fail(f"memory_viz trace shows {out.count('cudaMalloc(')} segment allocations, not {num_segment_allocs}")
+    if " = MEM[" in out:
+        fail("memory_viz trace has allocations outside any segment")
+    mv.segsum(snap)
+    for html in (mv.trace_plot(snap), mv.segment_plot(snap)):
+        if "snapshot.pickle" not in html:
+            fail("memory_viz could not embed the snapshot")
 
 
 def main():

@@ -5,7 +5,10 @@
 /// coloured by category), ready for any report writer (report.h).
 ///
 /// Phases need no marking: backward is detected inside autograd's engine,
-/// the optimizer step is what follows the last backward of a step.
+/// each added optimizer's step by the ops it runs on its parameters and
+/// gradients (its own phase per optimizer); Audit::phase() marks what a loop
+/// does that neither can see. Any number of modules (C++ modules, their
+/// holders, TorchScript modules) and optimizers can be audited together.
 ///
 /// Example:
 /// ```
@@ -22,6 +25,7 @@
 /// std::cout << trainmem::to_text(audit.report());
 /// ```
 
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,11 +40,16 @@
 namespace torch::nn {
 class Module;
 } // namespace torch::nn
+namespace torch::jit {
+struct Module;
+} // namespace torch::jit
 namespace torch::optim {
 class Optimizer;
 } // namespace torch::optim
 
 namespace trainmem {
+
+class OptimizerInBackward;
 
 /// What an Audit records.
 struct AuditOptions {
@@ -48,36 +57,114 @@ struct AuditOptions {
   TORCH_ARG(std::string, title) = "train";
   /// Meter what autograd saves in each step (saved bytes by node).
   TORCH_ARG(bool, meter) = true;
-  /// Record every allocation (CPU) for the timeline; costs a lock per allocation.
+  /// Record every allocation of the audited thread (CPU) for the timeline;
+  /// costs a lock per allocation.
   TORCH_ARG(bool, timeline) = true;
-  /// Events kept at most; later ones are counted as dropped.
+  /// Events kept at most, over the whole run and inside one step alike;
+  /// later ones are counted as dropped (40 B each: the default caps the
+  /// timeline near 80 MB, and memory stays flat past it).
   TORCH_ARG(int64_t, max_events) = 2'000'000;
   /// Points of the thinned series in the report (HTML, Chrome trace).
   TORCH_ARG(int64_t, max_points) = 1500;
 };
 
-/// Audits the steps of a training loop on one device. Not thread-safe: drive
-/// it from the thread that runs the loop (backward may run anywhere).
+/// Audits the steps of a training loop on one device.
+///
+/// Threads: an Audit counts the work of the thread that calls begin_step()
+/// (its allocations, the frees of what it allocated from any thread, its
+/// saved tensors, its backward passes) and nothing from other threads, so
+/// each thread can run its own Audit at once. Drive one Audit from one
+/// thread; it may be destroyed on any thread.
 ///
 /// On CPU it installs the counting allocator (allocator.h) if needed; install
 /// it yourself first thing in main so that the model's own parameters are
-/// counted too. On CUDA the peaks come from the caching allocator (the
-/// audit resets its peak statistics at each phase) and the timeline is not
-/// recorded: use start_cuda_memory_history() and cuda_memory_snapshot().
+/// counted too. Bytes live when recording starts that are not a parameter,
+/// gradient, optimizer state or labelled tensor are "before the audit"
+/// (Category::kBeforeAudit), a baseline the plot can hide. On CUDA the peaks
+/// come from the caching allocator (the audit resets its peak statistics at
+/// each phase, for the whole device) and the timeline is not recorded: use
+/// start_cuda_memory_history() and cuda_memory_snapshot().
 class Audit {
  public:
   /// Audits `model` (and `optimizer`, may be null) on `device`. Both must
   /// outlive the Audit. Throws c10::Error naming the device if it cannot be
-  /// read (see device_memory_stats()).
+  /// read (see device_memory_stats()), or as add_optimizer() does.
   Audit(
       const torch::nn::Module& model,
       const torch::optim::Optimizer* optimizer = nullptr,
       c10::Device device = c10::Device(c10::kCPU),
       AuditOptions options = {});
+  /// Audits a module holder (`Net model;` where `Net` is TORCH_MODULE(...)).
+  template <typename Holder>
+    requires requires(const Holder& h) {
+      { h.ptr().get() } -> std::convertible_to<const torch::nn::Module*>;
+    }
+  explicit Audit(
+      const Holder& model,
+      const torch::optim::Optimizer* optimizer = nullptr,
+      c10::Device device = c10::Device(c10::kCPU),
+      AuditOptions options = {})
+      : Audit(static_cast<const torch::nn::Module&>(*model.ptr().get()), optimizer, device, std::move(options)) {}
+  /// Audits a TorchScript module (torch::jit::load()): its parameters are
+  /// PARAMETER, never saved activations.
+  explicit Audit(
+      const torch::jit::Module& model,
+      const torch::optim::Optimizer* optimizer = nullptr,
+      c10::Device device = c10::Device(c10::kCPU),
+      AuditOptions options = {});
+  /// An audit of no module yet: add them with add_module().
+  explicit Audit(c10::Device device = c10::Device(c10::kCPU), AuditOptions options = {});
   ~Audit();
 
   Audit(const Audit&) = delete;
   Audit& operator=(const Audit&) = delete;
+
+  /// Audits `module` too (several networks, a trunk and a head). Its
+  /// parameters are PARAMETER and excluded from the saved bytes. Must outlive
+  /// the Audit; call it outside a step.
+  ///
+  /// Example:
+  /// ```
+  /// trainmem::Audit audit(*generator);
+  /// audit.add_module(*discriminator);
+  /// audit.add_optimizer(opt_g, "G");
+  /// audit.add_optimizer(opt_d, "D");
+  /// ```
+  void add_module(const torch::nn::Module& module);
+  /// Audits a module holder too.
+  template <typename Holder>
+    requires requires(const Holder& h) {
+      { h.ptr().get() } -> std::convertible_to<const torch::nn::Module*>;
+    }
+  void add_module(const Holder& module) {
+    add_module(static_cast<const torch::nn::Module&>(*module.ptr().get()));
+  }
+  /// Audits a TorchScript module too.
+  void add_module(const torch::jit::Module& module);
+
+  /// Counts `optimizer`'s state too, and gives its step a phase of its own,
+  /// named `name` (by default its type, numbered when several share it).
+  /// Throws c10::Error at once if it has no parameters, if some of them are
+  /// not parameters of an audited module (add the module first), if it was
+  /// added already, or inside a step. Must outlive the Audit.
+  void add_optimizer(const torch::optim::Optimizer& optimizer, std::string name = {});
+  /// Counts the per-parameter optimizers of an OptimizerInBackward: their
+  /// state, made inside backward, is OPTIMIZER_STATE. Same checks.
+  void add_optimizer(const OptimizerInBackward& optimizer, std::string name = {});
+
+  /// Names a long-lived tensor that is no parameter of an audited module: a
+  /// data set held in memory, a frozen table, an EMA copy of the weights.
+  /// Its storage is never counted as saved activations, the reports show its
+  /// bytes as a bucket called `name`, and the timeline gives its bytes
+  /// `category` (INPUT for data, PARAMETER for frozen weights...) instead of
+  /// "before the audit" or unknown. Throws if the tensor is undefined, if
+  /// `name` is empty, or inside a step.
+  ///
+  /// Example:
+  /// ```
+  /// audit.label(dataset_images, "data set (images)", trainmem::Category::kInput);
+  /// ```
+  void label(const at::Tensor& tensor, std::string name, Category category);
 
   /// Starts a step. Throws if a step is already open.
   void begin_step();
@@ -102,13 +189,44 @@ class Audit {
   /// Opens a step until the returned guard goes out of scope.
   [[nodiscard]] StepGuard step() { return StepGuard(*this); }
 
-  /// Marks `tensor`'s storage as INPUT in the timeline (call inside a step,
-  /// after the batch is made).
-  void mark_input(const at::Tensor& tensor);
+  /// Starts an explicitly marked phase inside the open step, named `name`
+  /// (empty: the phase's own name). Until end_phase(), automatic detection
+  /// of optimizer steps and forward is off (a backward inside still is its
+  /// own phase, and the marked phase resumes after it). Throws outside a
+  /// step or if a marked phase is already open.
+  void begin_phase(Phase phase, std::string name = {});
+  /// Ends the marked phase; automatic detection resumes (what follows is
+  /// forward until a backward or an optimizer's step shows otherwise).
+  void end_phase();
 
-  /// Counts `optimizer`'s state too (several optimizers: one per parameter
-  /// group, or OptimizerInBackward's per-parameter ones). Must outlive the Audit.
-  void add_optimizer(const torch::optim::Optimizer& optimizer);
+  /// RAII marked phase: begin_phase() on construction, end_phase() on
+  /// destruction (never throws).
+  ///
+  /// Example:
+  /// ```
+  /// { auto p = audit.phase(trainmem::Phase::kOptimizerStep, "EMA update"); ema.update(model); }
+  /// ```
+  class PhaseGuard {
+   public:
+    PhaseGuard(Audit& audit, Phase phase, std::string name);
+    ~PhaseGuard();
+    PhaseGuard(const PhaseGuard&) = delete;
+    PhaseGuard& operator=(const PhaseGuard&) = delete;
+    PhaseGuard(PhaseGuard&&) = delete;
+    PhaseGuard& operator=(PhaseGuard&&) = delete;
+
+   private:
+    Audit& audit_;
+  };
+  /// Marks a phase until the returned guard goes out of scope.
+  [[nodiscard]] PhaseGuard phase(Phase phase, std::string name = {}) {
+    return PhaseGuard(*this, phase, std::move(name));
+  }
+
+  /// Marks `tensor`'s storage as INPUT in the timeline (call inside a step,
+  /// after the batch is made; a batch made on another thread, by a data
+  /// loader, is counted from here on).
+  void mark_input(const at::Tensor& tensor);
 
   /// Adds a setting shown in the reports ("batch" -> "16").
   void set_config(const std::string& key, const std::string& value);
@@ -123,10 +241,14 @@ class Audit {
   AuditReport report() const;
   /// The raw timeline (CPU): every event, classified.
   const Timeline& timeline() const;
+  /// Moves the timeline out (no copy of a long run's events); the audit's
+  /// own is empty afterwards. Throws while a step is open.
+  Timeline take_timeline();
+
+  struct Impl;
 
  private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;
 };
 
 } // namespace trainmem

@@ -44,6 +44,13 @@ class SavedTensorHooks {
   virtual std::any pack(const at::Tensor& tensor) = 0;
   /// Called when backward needs the tensor back.
   virtual at::Tensor unpack(const std::any& packed) = 0;
+  /// The tensor that holds the saved bytes after pack, which a meter
+  /// (meter.h, audit.h) counts and reads the device of: by default `packed`
+  /// itself when it holds an at::Tensor (a copy on the host, or the tensor),
+  /// else an undefined tensor, meaning nothing is kept (checkpointing keeps a
+  /// handle and recomputes). Override it when pack returns another type that
+  /// does keep the bytes.
+  virtual at::Tensor packed_tensor(const std::any& packed) const;
 };
 
 /// Pack callable: receives the tensor autograd saves, returns anything.

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,11 +86,47 @@ class MetaInitGuard {
 };
 
 /// Adds Meta kernels that LibTorch's C++ lacks (Python registers them from
-/// Python): `index_select` (so Embedding's forward runs on meta), `relu`,
-/// `randperm`; each only if the op has none. Idempotent; MetaInitGuard and
-/// to_meta() call it. Call it yourself before running a forward on meta
-/// tensors made otherwise.
+/// Python), each only if the op has none: `index_select` (so Embedding's
+/// forward runs on meta), `relu`, `randperm`, and what conv nets and their
+/// losses need, with the CPU kernels' sizes, dtypes and memory formats:
+/// `convolution` and `convolution_backward` (1-D/2-D/3-D, groups,
+/// transposed, channels-last), `native_batch_norm` and its backward (train
+/// and eval), `max_pool3d_with_indices` and its backward,
+/// `_adaptive_avg_pool2d`/`3d` and their backwards,
+/// `embedding_dense_backward`, `nll_loss2d_forward`/`_backward`,
+/// `mse_loss_backward`, `binary_cross_entropy` and its backward. (Max/avg
+/// pooling in 1-D/2-D, dropout, log-softmax and nll have LibTorch meta kernels
+/// already.) Idempotent; MetaInitGuard and to_meta() call it. Call it yourself
+/// before running a forward on meta tensors made otherwise.
 void register_meta_kernels();
+
+/// An op that has no kernel for meta tensors, as find_missing_meta_kernel()
+/// found it. Plain data.
+struct MissingMetaKernel {
+  /// The operator, "aten::histc" or "aten::add.Tensor" (overload after the
+  /// dot), or "" if the error did not name one.
+  std::string op;
+  /// The error as thrown.
+  std::string message;
+};
+
+/// Runs `run` (a forward, or a whole step, on meta tensors) after
+/// register_meta_kernels(), and returns the op that could not run on meta if
+/// that is why it threw (LibTorch words it "Could not run 'aten::x' with
+/// arguments from the 'Meta' backend", "aten::x: attempted to run this
+/// operator with Meta tensors, but there was no fake impl or Meta kernel
+/// registered", or, from a composite kernel, "x_overrideable not
+/// implemented"; any c10::NotImplementedError counts, with `op` "" if it names
+/// none), or nullopt if `run` returned. Any other error propagates. A planner uses it to fall back to profiling that region
+/// on CPU at the planned shapes instead of failing the whole plan.
+///
+/// Example:
+/// ```
+/// auto missing = trainmem::find_missing_meta_kernel([&] {
+///   model->forward(torch::empty({8, 1, 28, 28}, torch::kMeta)).sum().backward(); });
+/// if (missing) std::cout << "no meta kernel for " << missing->op << "\n";
+/// ```
+std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<void()>& run);
 
 /// A module with an initialization of its own beyond its children's (e.g.
 /// GPT's embeddings at N(0, 0.02)): `materialize()` calls `reset_parameters()`

@@ -45,6 +45,13 @@ struct SavedTensorReport {
   /// view counts its whole storage (what it keeps alive): a micro-batch sliced
   /// from a larger batch counts the larger batch's bytes.
   int64_t saved_bytes = 0;
+  /// Of saved_bytes, bytes that stay where autograd saved them (on the
+  /// device; on a CPU run that device is host memory).
+  int64_t device_bytes = 0;
+  /// Of saved_bytes, bytes that the active saved-tensor hooks moved to host
+  /// memory (SaveOnCpuGuard, or your own pack returning a CPU copy): they no
+  /// longer occupy the device while backward waits.
+  int64_t host_bytes = 0;
   /// Tensors autograd saved, parameters and repeats included.
   int64_t num_tensors = 0;
   /// Unique non-parameter storages saved.
@@ -103,10 +110,16 @@ class SavedTensorMeter {
   std::shared_ptr<detail::MeterState> state_;
 };
 
-/// Meters the tensors autograd saves on this thread while alive (the meter's
-/// hooks become the innermost saved-tensor hooks, see hooks.h). Thread-local,
-/// RAII; restores the previous hooks on destruction. Only one guard per meter
-/// at a time.
+/// Meters the tensors autograd saves on this thread while alive. The meter
+/// observes and never packs: whatever saved-tensor hooks are active (an
+/// outer or inner SaveOnCpuGuard, your own SavedTensorHooksGuard) still
+/// pack, and the meter counts what they keep and where (device_bytes vs
+/// host_bytes); checkpointed tensors, which are not kept, are not counted.
+/// The innermost guard's meter alone counts a save (nested meters count
+/// their own scopes). Thread-local, RAII. Only one guard per meter at a time.
+/// It may be destroyed on any thread: from another thread than the metered
+/// one, the meter stops counting at once and the metered thread drops its
+/// bookkeeping lazily.
 ///
 /// Example:
 /// ```

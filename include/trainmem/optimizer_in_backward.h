@@ -62,6 +62,9 @@ class OptimizerInBackward {
   double lr() const;
   /// Steps taken by the optimizer of parameter 0 (all step together).
   int64_t num_steps() const;
+  /// The per-parameter optimizers, in the order of the parameters hooked
+  /// (Audit::add_optimizer counts their state).
+  std::vector<const torch::optim::Optimizer*> optimizers() const;
   /// The optimizer of one parameter (throws if it is not hooked here).
   torch::optim::Optimizer& optimizer_for(const at::Tensor& parameter);
 

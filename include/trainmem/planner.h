@@ -22,13 +22,19 @@
 /// auto y = model->forward(x, plan.checkpointing());
 /// ```
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <torch/arg.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
@@ -282,7 +288,15 @@ struct PlanOptions {
   TORCH_ARG(bool, adamw) = true;
 };
 
-/// A checkpointing plan for the reference Transformer. Plain data.
+/// A region the planner profiled on CPU, at the planned shapes, because one
+/// of its ops has no meta kernel. Plain data.
+struct CpuFallback {
+  int64_t region = 0; ///< its index
+  std::string op;     ///< the op without a meta kernel, e.g. "aten::_cdist_forward"
+  std::string reason; ///< the error's first line
+};
+
+/// A checkpointing plan: per block (or region), how it runs. Plain data.
 struct CheckpointPlan {
   /// True when predicted_peak_bytes fits the budget. When false, `blocks` is
   /// the plan with the smallest reachable peak.
@@ -301,6 +315,13 @@ struct CheckpointPlan {
   int64_t min_peak_bytes = 0;          ///< the smallest peak any plan reaches, in bytes
   double min_peak_cost = 0;            ///< the least recompute that reaches it
   int64_t num_candidates = 0;          ///< per-block choices the planner weighed
+  /// Region runs profiled (each distinct region or segment and choice once;
+  /// identical regions share their profiles, see plan_regions()).
+  int64_t num_profiles = 0;
+  /// One per block (region): its name (plan_regions(); "block" otherwise).
+  std::vector<std::string> region_names;
+  /// Regions profiled on CPU because an op has no meta kernel (plan_regions()).
+  std::vector<CpuFallback> cpu_fallbacks;
 
   /// The plan as Transformer::forward takes it.
   BlockCheckpointing checkpointing() const;
@@ -324,5 +345,179 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& model, const PlanOpt
 
 /// Text: the plan block by block, its predicted peak and recompute cost.
 std::string to_string(const CheckpointPlan& plan);
+
+// ---------------------------------------------------------------------------
+// Planning any model: a sequence of regions
+
+/// One region of a model: a callable `Tensor(Tensor)` and the modules whose
+/// parameters and buffers it uses. The planner chooses per region (store,
+/// checkpoint, selective) and per run of regions (one checkpointed segment).
+/// Copies share the callable and the modules.
+///
+/// Any module holder or module whose `forward` takes and returns one tensor
+/// converts implicitly (TORCH_MODULE types, `Sequential`, `Linear`, your own
+/// `Impl` by `shared_ptr`), as does an `AnyModule`; a lambda needs the
+/// modules it uses named beside it.
+///
+/// Example:
+/// ```
+/// std::vector<trainmem::Region> regions = {
+///     net->conv1,                                                   // a module holder
+///     trainmem::Region("head", [&](const at::Tensor& x) { return net->fc(x.flatten(1)); }, {net->fc.ptr()}),
+/// };
+/// ```
+class Region {
+ public:
+  using Forward = std::function<at::Tensor(const at::Tensor&)>;
+
+  /// `forward` using the parameters and buffers of `modules` (and no others:
+  /// the planner counts gradients and moves tensors to meta by them).
+  Region(std::string name, Forward forward,
+         std::vector<std::shared_ptr<torch::nn::Module>> modules = {});
+
+  /// A module holder whose forward takes and returns one tensor.
+  template <typename ModuleHolder>
+    requires(detail::kIsModuleHolder<ModuleHolder> &&
+             requires(ModuleHolder m, const at::Tensor& x) {
+               { m->forward(x) } -> std::convertible_to<at::Tensor>;
+             })
+  Region(const ModuleHolder& module)  // NOLINT(google-explicit-constructor): lists of holders
+      : Region(module->name(),
+               [m = module](const at::Tensor& x) mutable -> at::Tensor { return m->forward(x); },
+               {module.ptr()}) {}
+
+  /// A module (a subclass of torch::nn::Module) whose forward takes and
+  /// returns one tensor.
+  template <typename M>
+    requires(std::derived_from<M, torch::nn::Module> &&
+             requires(M& m, const at::Tensor& x) {
+               { m.forward(x) } -> std::convertible_to<at::Tensor>;
+             })
+  Region(std::shared_ptr<M> module)  // NOLINT(google-explicit-constructor)
+      : Region(module->name(),
+               [m = module](const at::Tensor& x) -> at::Tensor { return m->forward(x); },
+               {std::static_pointer_cast<torch::nn::Module>(module)}) {}
+
+  /// One element of a Sequential, by its type-erased forward.
+  Region(torch::nn::AnyModule module);  // NOLINT(google-explicit-constructor)
+
+  /// Runs the region.
+  at::Tensor operator()(const at::Tensor& input) const;
+  /// Its name ("trainmem::TransformerBlockImpl", or the one given).
+  const std::string& name() const { return name_; }
+  /// The modules whose tensors it uses.
+  const std::vector<std::shared_ptr<torch::nn::Module>>& modules() const { return modules_; }
+  /// Regions with equal keys, on inputs of equal shapes, are profiled once
+  /// (see plan_regions()). Empty (the default): the key is made from its
+  /// modules' types and their tensors' names, shapes and dtypes, and the
+  /// region's output shape. Set one when two regions with the same modules
+  /// run different code.
+  Region& key(std::string key) {
+    key_ = std::move(key);
+    return *this;
+  }
+  const std::string& key() const { return key_; }
+
+ private:
+  std::string name_;
+  std::shared_ptr<Forward> forward_;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::string key_;
+};
+
+/// One region per module of `sequential`, in order.
+std::vector<Region> regions_of(const torch::nn::Sequential& sequential);
+
+/// One region per element of `list`, each run as an `Impl` (its
+/// `forward(Tensor)`). Throws, naming it, if an element is not an `Impl`.
+///
+/// Example:
+/// ```
+/// auto regions = trainmem::regions_of<trainmem::TransformerBlockImpl>(model->blocks);
+/// ```
+template <typename Impl>
+std::vector<Region> regions_of(const torch::nn::ModuleList& list) {
+  std::vector<Region> regions;
+  for (size_t i = 0; i < list->size(); ++i) {
+    auto element = std::dynamic_pointer_cast<Impl>(list->ptr(i));
+    TORCH_CHECK(element != nullptr, "regions_of: element ", i, " of the ModuleList is a ",
+                list->ptr(i)->name(), ", not the type asked for");
+    regions.emplace_back(std::move(element));
+  }
+  return regions;
+}
+
+/// One region per element of `list`; each element must be a Sequential (its
+/// type is otherwise unknown: use regions_of<Impl>(list)).
+std::vector<Region> regions_of(const torch::nn::ModuleList& list);
+
+/// Makes an optimizer over the given parameters (any torch::optim optimizer:
+/// its kind and options).
+using OptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
+
+/// A training step of a model made of regions, as plan_regions() sees it:
+/// input -> regions in order -> loss -> backward -> optimizer step.
+///
+/// Example:
+/// ```
+/// trainmem::RegionModel m;
+/// m.regions = trainmem::regions_of(net);            // a Sequential
+/// m.input = [](c10::Device d) { return at::empty({64, 1, 28, 28}, at::TensorOptions(d)); };
+/// m.loss = [](const at::Tensor& y) { return at::nll_loss(y, at::zeros({64}, y.options().dtype(at::kLong))); };
+/// m.optimizer = &sgd;                               // or m.make_optimizer
+/// ```
+struct RegionModel {
+  /// The model, in order: region i + 1 takes region i's output.
+  std::vector<Region> regions;
+  /// A sample input on `device` (the meta device while planning, the CPU for
+  /// a region profiled there): its shape and dtype are what the plan is for.
+  /// Integer inputs are indices: make them valid (zeros) on CPU.
+  std::function<at::Tensor(c10::Device device)> input;
+  /// The loss of the last region's output: a scalar. Targets it needs are
+  /// made inside, on `output.device()`; they count in the step.
+  std::function<at::Tensor(const at::Tensor& output)> loss;
+  /// The step's optimizer over the regions' parameters, any torch::optim
+  /// optimizer, or null. Its state is set aside while planning and put back.
+  torch::optim::Optimizer* optimizer = nullptr;
+  /// Or its kind and options: called once with the parameters (on meta).
+  OptimizerFactory make_optimizer;
+};
+
+/// Plans a training step of any model given as regions: the same planner as
+/// plan_checkpointing() (Note [Checkpoint planner]), with the regions, the
+/// input, the loss and the optimizer taken from `model`.
+/// `options.adamw()` is ignored (the optimizer is the model's).
+///
+/// The regions may be on CPU (or any device): their parameters and buffers
+/// are moved to meta in place while planning and put back unchanged (values,
+/// gradients, optimizer state); or already on meta (built under a
+/// MetaInitGuard). Regions with equal keys on equal input shapes are
+/// profiled once, so a stack of identical blocks costs one block's
+/// profiling. A region with an op that has no meta kernel is profiled on CPU
+/// at the planned shapes (a meta region model gets zero-filled CPU tensors
+/// for that) and listed in `cpu_fallbacks` with the op; the plan never fails
+/// for it. Throws if the model is empty, a callback is missing, or the loss
+/// is not a scalar.
+///
+/// Example:
+/// ```
+/// auto plan = trainmem::plan_regions(m, trainmem::PlanOptions().budget_bytes(64 << 20));
+/// std::cout << trainmem::to_string(plan);
+/// auto loss = m.loss(trainmem::run_regions(m.regions, x, plan));
+/// ```
+CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options = {});
+
+/// Runs `regions` on `input` under `plan` (its checkpointing()): stored
+/// regions run as they are, checkpointed ones through trainmem::checkpoint,
+/// selective ones with the plan's cached op calls, segments as one region.
+/// Throws if the plan has a different number of blocks.
+at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+                       const CheckpointPlan& plan);
+
+/// The same with a BlockCheckpointing (BlockCheckpointing::full(n), a
+/// plan's checkpointing(), ...).
+at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+                       const BlockCheckpointing& plan);
 
 } // namespace trainmem

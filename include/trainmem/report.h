@@ -54,6 +54,11 @@ struct AuditReport {
   int64_t num_params = 0;
   std::vector<BucketBytes> buckets;          ///< static buckets, largest categories first
   int64_t saved_activation_bytes = 0;   ///< last step's saved tensors (meter), in bytes
+  /// Of saved_activation_bytes, what stays on the device where it was saved.
+  int64_t saved_device_bytes = 0;
+  /// Of saved_activation_bytes, what saved-tensor hooks moved to host memory
+  /// (offload).
+  int64_t saved_host_bytes = 0;
   std::vector<NodeSavedBytes> saved_by_node; ///< top producers of saved bytes
   int64_t predicted_activation_bytes = -1;   ///< a prediction to compare with, or -1
   std::vector<StepRecord> steps;
@@ -68,6 +73,33 @@ struct AuditReport {
   /// Sum of bucket bytes, in bytes.
   int64_t static_bytes() const;
 };
+
+/// Minimum, median and maximum of one figure over steps (the median of an
+/// even count is the lower middle value: always one step's own figure).
+struct StepStat {
+  int64_t min = 0;
+  int64_t median = 0;
+  int64_t max = 0;
+};
+
+/// Steps summarized phase by phase: what a long run's report shows instead
+/// of one row per step.
+struct StepSummary {
+  int64_t num_steps = 0;
+  StepStat peak_bytes;
+  StepStat forward_peak_bytes;
+  StepStat backward_peak_bytes;
+  StepStat optimizer_peak_bytes;
+  StepStat saved_activation_bytes;
+  StepStat time_us; ///< wall time per step, in microseconds
+};
+
+/// Summarizes `steps` (all of them). Throws if `steps` is empty.
+StepSummary summarize_steps(const std::vector<StepRecord>& steps);
+
+/// Steps shown one row each in text and HTML; past it, the first few rows
+/// and a min / median / max summary.
+inline constexpr int64_t kMaxStepRows = 8;
 
 /// A table a person reads in a terminal.
 std::string to_text(const AuditReport& report);
@@ -89,8 +121,10 @@ std::string to_html(const AuditReport& report);
 std::string to_chrome_trace(const AuditReport& report);
 
 /// A memory_viz snapshot of a CPU timeline as a raw pickle: device_traces
-/// with alloc / free_completed actions (frames name category and phase) and
-/// one segment per block still live at the end.
+/// with segment_alloc / alloc / free_requested / free_completed /
+/// segment_free actions (each CPU block is its own segment; each entry has a
+/// lowercase `category` key, as PyTorch's profiler snapshots do, and frames
+/// naming category and phase), and one segment per block still live at the end.
 std::string to_memory_viz_pickle(const Timeline& timeline);
 
 /// "1,234,567": bytes with thousands separators.

@@ -28,12 +28,13 @@ enum class Category : uint8_t {
   kOptimizerState,
   kActivation, ///< made in forward, alive when backward starts
   kTemporary,  ///< made and freed within one phase, or freed before backward
-  kInput,      ///< a tensor passed to Audit::mark_input()
-  kUnknown,    ///< live but not attributable (made before the audit, caches)
+  kInput,      ///< a tensor passed to Audit::mark_input(), or labelled so
+  kUnknown,    ///< made while recording, live, but not attributable (caches)
+  kBeforeAudit, ///< live before recording began and not named (a baseline)
 };
-inline constexpr int kNumCategories = 7;
+inline constexpr int kNumCategories = 8;
 
-/// PyTorch's spelling: "PARAMETER", ..., "unknown".
+/// PyTorch's spelling: "PARAMETER", ..., "unknown"; and "before the audit".
 const char* category_name(Category category);
 
 /// Part of a training step.
@@ -63,12 +64,18 @@ struct MemoryEvent {
 /// One phase of one step, with its peak and what was live at that peak.
 struct PhaseSpan {
   Phase phase = Phase::kForward;
+  /// Which one: the optimizer's name for an optimizer step ("D", "Adam"),
+  /// the name given to Audit::begin_phase(); empty otherwise.
+  std::string name;
   int64_t step = 0;
   int64_t begin_ns = 0;       ///< since the audit started recording, in ns
   int64_t end_ns = 0;         ///< in ns
   int64_t peak_bytes = 0;     ///< highest live bytes during the span
   CategoryBytes peak_by_category{}; ///< live bytes by category at that peak (timeline only)
 };
+
+/// "optimizer step (D)": the phase's name, with the span's name if any.
+std::string span_label(const PhaseSpan& span);
 
 /// Everything recorded: live bytes by category before the first event, then
 /// every event and the phases.

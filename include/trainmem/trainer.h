@@ -32,9 +32,10 @@ enum class Precision {
   kFp32,         ///< fp32 parameters, gradients and activations
   kBf16Autocast, ///< fp32 parameters; matmuls and attention in bf16 (autocast)
   kBf16,         ///< everything in bf16, optimizer state too (LibTorch's optimizers keep state in the parameter dtype)
+  kFp16Autocast, ///< fp32 parameters; matmuls and attention in fp16 (autocast), loss scaled by a GradScaler
 };
 
-/// "fp32", "bf16-autocast", "bf16".
+/// "fp32", "bf16-autocast", "bf16", "fp16-autocast".
 const char* precision_name(Precision precision);
 /// Parses a precision_name(). Throws c10::Error naming `name` otherwise.
 Precision parse_precision(const std::string& name);
@@ -65,6 +66,10 @@ struct TrainerOptions {
   /// Copy the first step's gradients into TrainingRun::grads (after the
   /// step, so the copies are not in its figures). Not with optimizer_in_backward.
   TORCH_ARG(bool, keep_grads) = false;
+  /// CUDA: let cuBLAS and cuDNN use TF32 for fp32 matmuls and convolutions
+  /// (PyTorch's default is off for matmuls); recorded in the report's config
+  /// as "tf32". No effect on the CPU.
+  TORCH_ARG(bool, tf32) = false;
 };
 
 /// Throws c10::Error naming the first bad value of `options` (sizes, names,

@@ -9,6 +9,7 @@
 #include "trainmem/checkpoint.h"
 #include "trainmem/device.h"
 #include "trainmem/gpt.h"
+#include "trainmem/hf_model.h"
 #include "trainmem/hooks.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"

@@ -8,8 +8,11 @@
 
 namespace trainmem::detail {
 
-/// `fn(true)` before and `fn(false)` after each outermost backward on any
-/// thread. Must not throw. Returns an id for remove_backward_listener().
+/// `fn(true)` before and `fn(false)` after each outermost backward started on
+/// the calling thread (on CPU the graph runs there too; on CUDA the engine's
+/// device threads run it while this thread waits). Must not throw. Returns
+/// an id for remove_backward_listener(), which may be called from any thread:
+/// once it returns, `fn` is not running and never runs again.
 int64_t add_backward_listener(std::function<void(bool begin)> fn);
 void remove_backward_listener(int64_t id);
 

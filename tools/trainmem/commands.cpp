@@ -3,6 +3,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -10,7 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "model_file.h"
 #include "trainmem/accountant.h"
+#include "trainmem/cuda_predict.h"
 #include "trainmem/device.h"
 #ifdef TRAINMEM_WITH_DISTRIBUTED
 #include "trainmem/distributed_trainer.h"
@@ -45,6 +48,7 @@ struct AuditFlags {
   uint64_t seed = 0;
   bool json = false;
   bool no_timeline = false;
+  bool force = false;
   std::string html, trace, snapshot;
   // Data-parallel ranks (--nproc N; distributed_trainer.h).
   int64_t nproc = 1;
@@ -53,6 +57,10 @@ struct AuditFlags {
   int64_t timeout_s = 60;
   int64_t fail_rank = -1;
   std::string fail_mode = "kill";
+  bool tf32 = false;
+  // estimate --device cuda: the caching allocator's settings and cuBLAS's workspace.
+  std::string alloc_conf;
+  int64_t cublas_workspace = kCublasWorkspaceBytes;
 };
 
 void add_training_flags(CLI::App& sub, AuditFlags& f) {
@@ -60,17 +68,86 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
   sub.add_option("--optimizer", f.optimizer, "adamw, adam or sgd (momentum 0.9)")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
       ->capture_default_str();
-  sub.add_option("--precision", f.precision, "fp32, bf16-autocast or bf16")
-      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16"}))
+  sub.add_option("--precision", f.precision, "fp32, bf16-autocast, bf16 or fp16-autocast (with a GradScaler)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast"}))
       ->capture_default_str();
   sub.add_option("--accumulate", f.accumulate, "micro-batches per step (gradient accumulation)")
+      ->check(int_in(1, kMaxBatch))
       ->capture_default_str();
 }
 
 void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t);
 
+// Bytes per element of parameters/gradients and of optimizer state.
+int64_t element_bytes(const std::string& precision) {
+  return precision == "bf16" ? 2 : 4;
+}
+
+// `trainmem estimate`'s figures, shared with audit's memory pre-flight.
+struct Estimate {
+  int64_t params = 0;
+  std::vector<std::pair<std::string, int64_t>> buckets;
+  int64_t static_bytes = 0;
+  TransformerOptions micro;
+  int64_t first_order = 0;  // 64 T B d per layer (fp32), halved for 2-byte precisions
+  bool exact = false;       // fp32: the term-by-term count
+  ActivationEstimate terms;
+  int64_t activation_bytes = 0;
+};
+
+Estimate estimate(const AuditFlags& f) {
+  Estimate e;
+  const auto mo = model_options(f.model);
+  e.params = transformer_num_params(mo);
+  const int64_t eb = element_bytes(f.precision);
+  // LibTorch's optimizers keep state in the parameters' dtype.
+  const int64_t state_per_param = f.optimizer == "sgd" ? 1 : 2;
+  e.buckets = {{"parameters", e.params * eb}, {"gradients", e.params * eb},
+               {"optimizer state", e.params * eb * state_per_param}};
+  for (const auto& b : e.buckets) {
+    e.static_bytes += b.second;
+  }
+  e.micro = TransformerOptions(mo).batch(mo.batch() / f.accumulate);
+  e.exact = f.precision == "fp32";
+  const int64_t first_order = predicted_activation_bytes(e.micro);
+  e.first_order = e.exact ? first_order : first_order / 2;
+  e.terms = estimate_activation_bytes(e.micro);
+  e.activation_bytes = e.exact ? e.terms.total_bytes : first_order / 2;
+  return e;
+}
+
+// Note [Memory pre-flight]
+// An audit that cannot fit is killed by the kernel (exit 137, no message),
+// after minutes. Before building the model, audit compares its own estimate
+// with the memory this process may still use (MemAvailable, cgroup limit)
+// and refuses with both figures unless --force. Without checkpointing the
+// estimate is static + activations (the step's peak is within a few percent
+// of it); with checkpointing only one block's activations are counted, a
+// figure below the peak, so a run that fits is never refused.
+void check_memory_fits(const AuditFlags& f) {
+  if (f.force || !c10::Device(f.device).is_cpu()) {
+    return;
+  }
+  const auto available = available_memory_bytes();
+  if (!available) {
+    return;
+  }
+  const Estimate e = estimate(f);
+  const bool whole = f.checkpoint == "none";
+  const int64_t need = e.static_bytes + (whole ? e.activation_bytes : e.activation_bytes / f.model.layers);
+  if (need > *available) {
+    throw CheckFailed(fmt::format(
+        "not enough memory: this audit needs about {} B ({}: {} static + {} of activations{}), but only {} B "
+        "({}) is available; shrink the model or batch, use --checkpoint, or pass --force to run anyway",
+        with_commas(need), human_bytes(need), with_commas(e.static_bytes),
+        with_commas(need - e.static_bytes), whole ? "" : ", one block's", with_commas(*available),
+        human_bytes(*available)));
+  }
+}
+
 void run_audit(const AuditFlags& f) {
   check_model_flags(f.model);
+  check_device(f.device);
   TrainerOptions o;
   o.model(model_options(f.model))
       .optimizer(f.optimizer)
@@ -83,7 +160,8 @@ void run_audit(const AuditFlags& f) {
       .optimizer_in_backward(f.optimizer_in_backward)
       .accumulation(f.accumulate)
       .seed(f.seed)
-      .timeline(!f.no_timeline);
+      .timeline(!f.no_timeline)
+      .tf32(f.tf32);
   if (f.nproc != 1) {
     run_audit_distributed(f, o);
     return;
@@ -93,13 +171,23 @@ void run_audit(const AuditFlags& f) {
   } catch (const c10::Error& e) {
     throw UsageError(e.what_without_backtrace());
   }
-  // Every output is checked before training, so a long run never ends in
-  // a report that cannot be written.
+  // Every output is opened before training, so a long run never ends in a
+  // report that cannot be written (OutputFile).
+  int num_stdout = 0;
   for (const auto* path : {&f.html, &f.trace, &f.snapshot}) {
-    if (!path->empty()) {
-      check_writable(*path);
-    }
+    num_stdout += *path == "-" ? 1 : 0;
   }
+  if (num_stdout > 1) {
+    throw UsageError("expected at most one of --html, --trace, --snapshot to be - (stdout)");
+  }
+  if (num_stdout == 1 && f.json) {
+    throw UsageError("--json prints the report to stdout; write --html, --trace or --snapshot to a file");
+  }
+  std::optional<OutputFile> html, trace, snapshot;
+  if (!f.html.empty()) html.emplace(f.html);
+  if (!f.trace.empty()) trace.emplace(f.trace);
+  if (!f.snapshot.empty()) snapshot.emplace(f.snapshot);
+  check_memory_fits(f);
   const bool cuda = c10::Device(f.device).is_cuda();
   if (!f.snapshot.empty() && cuda) {
     start_cuda_memory_history();
@@ -113,22 +201,24 @@ void run_audit(const AuditFlags& f) {
       std::cerr << fmt::format("\rtrainmem: step {}/{}", step, steps) << (step == steps ? "\n" : "") << std::flush;
     }
   });
-  if (!f.html.empty()) {
-    write_file_atomically(f.html, to_html(run.report));
+  if (html) {
+    html->commit(to_html(run.report));
     std::cerr << "trainmem: wrote " << f.html << "\n";
   }
-  if (!f.trace.empty()) {
-    write_file_atomically(f.trace, to_chrome_trace(run.report));
+  if (trace) {
+    trace->commit(to_chrome_trace(run.report));
     std::cerr << "trainmem: wrote " << f.trace << "\n";
   }
-  if (!f.snapshot.empty()) {
-    write_file_atomically(f.snapshot, cuda ? cuda_memory_snapshot() : to_memory_viz_pickle(run.timeline));
+  if (snapshot) {
+    snapshot->commit(cuda ? cuda_memory_snapshot() : to_memory_viz_pickle(run.timeline));
     if (cuda) {
       stop_cuda_memory_history();
     }
     std::cerr << "trainmem: wrote " << f.snapshot << "\n";
   }
-  std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
+  if (num_stdout == 0) {  // "-": that file is stdout's one document
+    std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
+  }
 }
 
 // `trainmem audit --nproc N`: N local ranks on Gloo, one report from rank 0.
@@ -160,24 +250,29 @@ void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
   } catch (const c10::Error& e) {
     throw UsageError(e.what_without_backtrace());
   }
-  for (const auto* path : {&f.html, &f.trace}) {
-    if (!path->empty()) {
-      check_writable(*path);
-    }
+  // As run_audit: outputs opened before the ranks start (OutputFile), "-" is stdout.
+  const int num_stdout = (f.html == "-" ? 1 : 0) + (f.trace == "-" ? 1 : 0);
+  if (num_stdout > 1 || (num_stdout == 1 && f.json)) {
+    throw UsageError("expected at most one document on stdout: one of --html -, --trace -, --json");
   }
+  std::optional<OutputFile> html, trace;
+  if (!f.html.empty()) html.emplace(f.html);
+  if (!f.trace.empty()) trace.emplace(f.trace);
   if (show_progress()) {
     std::cerr << fmt::format("trainmem: {} ranks, {} steps each\n", f.nproc, f.steps);
   }
   const auto run = train_distributed(o);
-  if (!f.html.empty()) {
-    write_file_atomically(f.html, to_html(run.report));
+  if (html) {
+    html->commit(to_html(run.report));
     std::cerr << "trainmem: wrote " << f.html << "\n";
   }
-  if (!f.trace.empty()) {
-    write_file_atomically(f.trace, to_chrome_trace(run.report));
+  if (trace) {
+    trace->commit(to_chrome_trace(run.report));
     std::cerr << "trainmem: wrote " << f.trace << "\n";
   }
-  std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
+  if (num_stdout == 0) {
+    std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
+  }
 #else
   (void)t;
   throw UsageError(fmt::format("--nproc {}: this trainmem was built without distributed audits "
@@ -185,9 +280,39 @@ void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
 #endif
 }
 
-// Bytes per element of parameters/gradients and of optimizer state.
-int64_t element_bytes(const std::string& precision) {
-  return precision == "bf16" ? 2 : 4;
+// estimate --device cuda: the step (forward, loss, backward, optimizer step)
+// run on meta and replayed through the caching-allocator model.
+CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo) {
+  std::optional<c10::Device> device;
+  try {
+    device.emplace(f.device);
+  } catch (const c10::Error&) {
+  }
+  if (!device || !device->is_cuda()) {
+    throw UsageError("--device " + f.device + ": expected cpu or cuda[:index]");
+  }
+  if (f.precision != "fp32") {
+    throw UsageError("--device cuda --precision " + f.precision +
+                     ": the CUDA prediction runs fp32 (LibTorch's autocast has no meta dispatch key)");
+  }
+  if (f.accumulate != 1) {
+    throw UsageError("--device cuda predicts one batch; drop --accumulate");
+  }
+  if (f.optimizer == "sgd") {
+    throw UsageError("--device cuda --optimizer sgd: the CUDA prediction models AdamW and Adam (same state)");
+  }
+  if (f.cublas_workspace < 0) {
+    throw UsageError(fmt::format("--cublas-workspace {}: expected bytes >= 0", f.cublas_workspace));
+  }
+  CudaPredictOptions o;
+  try {
+    o.allocator(CudaAllocatorConfig::parse(f.alloc_conf));
+  } catch (const c10::Error& e) {
+    throw UsageError("--alloc-conf: " + std::string(e.what_without_backtrace()));
+  }
+  o.cublas_workspace_bytes(f.cublas_workspace);
+  return predict_cuda_transformer_step(mo, BlockCheckpointing::named(mo.num_layers(), "none"),
+                                       /*adamw=*/true, o);
 }
 
 void run_estimate(const AuditFlags& f) {
@@ -196,22 +321,17 @@ void run_estimate(const AuditFlags& f) {
     throw UsageError(fmt::format("expected --batch {} to split into --accumulate {} equal micro-batches",
                                  f.model.batch, f.accumulate));
   }
-  const auto mo = model_options(f.model);
-  const int64_t params = transformer_num_params(mo);
-  const int64_t e = element_bytes(f.precision);
-  // LibTorch's optimizers keep state in the parameters' dtype.
-  const int64_t state_per_param = f.optimizer == "sgd" ? 1 : 2;
-  const std::vector<std::pair<std::string, int64_t>> buckets = {
-      {"parameters", params * e}, {"gradients", params * e}, {"optimizer state", params * e * state_per_param}};
-  int64_t static_bytes = 0;
-  for (const auto& b : buckets) {
-    static_bytes += b.second;
+  const Estimate e = estimate(f);
+  const auto& micro = e.micro;
+  const int64_t activations = e.activation_bytes;
+  // static + activations is not a bound: transients lift the peak above it,
+  // and gradients that replace freed activations in backward keep it below
+  // (the capstone's measured step peak is 3.4 % under it).
+  const int64_t step_peak = e.static_bytes + activations;
+  std::optional<CudaStepPrediction> cuda;
+  if (f.device != "cpu") {
+    cuda = estimate_cuda(f, model_options(f.model));
   }
-  const auto micro = TransformerOptions(mo).batch(mo.batch() / f.accumulate);
-  const int64_t first_order = predicted_activation_bytes(micro);
-  const bool exact = f.precision == "fp32";
-  const auto terms = estimate_activation_bytes(micro);
-  const int64_t activations = exact ? terms.total_bytes : first_order / 2;
   if (f.json) {
     nlohmann::ordered_json j;
     j["schema"] = "trainmem/1";
@@ -219,56 +339,67 @@ void run_estimate(const AuditFlags& f) {
     j["config"] = {{"layers", f.model.layers}, {"d_model", f.model.d_model}, {"heads", f.model.heads},
                    {"batch", f.model.batch}, {"seq_len", f.model.seq_len}, {"optimizer", f.optimizer},
                    {"precision", f.precision}, {"accumulation", f.accumulate}};
-    j["num_params"] = params;
-    for (const auto& [name, bytes] : buckets) {
+    j["num_params"] = e.params;
+    for (const auto& [name, bytes] : e.buckets) {
       j["buckets"].push_back({{"name", name}, {"bytes", bytes}});
     }
-    j["static_bytes"] = static_bytes;
-    j["first_order_activation_bytes"] = exact ? first_order : first_order / 2;
+    j["static_bytes"] = e.static_bytes;
+    j["first_order_activation_bytes"] = e.first_order;
     j["activation_bytes"] = activations;
-    j["activation_bytes_exact"] = exact;
-    if (exact) {
-      for (const auto& t : terms.terms) {
+    j["activation_bytes_exact"] = e.exact;
+    if (e.exact) {
+      for (const auto& t : e.terms.terms) {
         j["activation_terms"].push_back({{"name", t.name}, {"bytes", t.bytes}});
       }
     }
-    j["lower_bound_peak_bytes"] = static_bytes + activations;
+    j["estimated_peak_bytes"] = step_peak;
+    if (cuda) {
+      j["cuda"] = {{"max_memory_allocated_bytes", cuda->max_memory_allocated_bytes},
+                   {"max_memory_reserved_bytes", cuda->max_memory_reserved_bytes},
+                   {"peak_phase", phase_name(cuda->phase)},
+                   {"workspace_bytes", cuda->terms.workspace_bytes},
+                   {"kernel_temporary_bytes", cuda->terms.kernel_temporary_bytes},
+                   {"rounding_bytes", cuda->terms.rounding_bytes},
+                   {"alloc_conf", f.alloc_conf},
+                   {"cublas_workspace_bytes", f.cublas_workspace}};
+    }
     std::cout << j.dump(2) << "\n";
     return;
   }
   std::string out = fmt::format(
       "trainmem estimate: {} layers, d_model {}, {} heads, batch {} x {} tokens, {}, {} (nothing is run)\n",
       f.model.layers, f.model.d_model, f.model.heads, f.model.batch, f.model.seq_len, f.optimizer, f.precision);
-  out += fmt::format("parameters {:>30}  = L (12 d^2 + 13 d)\n", with_commas(params));
-  for (const auto& [name, bytes] : buckets) {
+  out += fmt::format("parameters {:>30}  = L (12 d^2 + 13 d)\n", with_commas(e.params));
+  for (const auto& [name, bytes] : e.buckets) {
     out += fmt::format("  {:<24} {:>16} B  {:>10}\n", name, with_commas(bytes), human_bytes(bytes));
   }
-  out += fmt::format("  {:<24} {:>16} B  {:>10}\n", "static total", with_commas(static_bytes), human_bytes(static_bytes));
+  out += fmt::format("  {:<24} {:>16} B  {:>10}\n", "static total", with_commas(e.static_bytes),
+                     human_bytes(e.static_bytes));
   out += fmt::format("activations of one micro-batch (batch {}), no checkpointing\n", micro.batch());
-  if (exact) {
-    for (const auto& t : terms.terms) {
+  if (e.exact) {
+    for (const auto& t : e.terms.terms) {
       out += fmt::format("  {:<40} {:>16} B\n", t.name, with_commas(t.bytes));
     }
     out += fmt::format("  {:<40} {:>16} B  (first-order 64 T B d per layer: {} B)\n", "saved for backward",
-                       with_commas(activations), with_commas(first_order));
+                       with_commas(activations), with_commas(e.first_order));
   } else {
     out += fmt::format("  {:<40} {:>16} B  (first-order, 2-byte elements; run `trainmem audit` for exact bytes)\n",
                        "saved for backward", with_commas(activations));
   }
-  out += fmt::format("lower bound of the step peak {:>16} B  {:>10}  (static + activations, before transients)\n",
-                     with_commas(static_bytes + activations), human_bytes(static_bytes + activations));
+  out += fmt::format("estimated step peak {:>25} B  {:>10}  (static + activations; not a bound: transients add, "
+                     "gradients replacing freed activations subtract)\n",
+                     with_commas(step_peak), human_bytes(step_peak));
+  if (cuda) {
+    out += fmt::format("on {} (a meta run replayed through the CUDA caching-allocator model, {}, no checkpointing):\n",
+                       f.device, f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
+    out += to_string(*cuda);
+  }
   std::cout << out;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw UsageError("cannot read \"" + path + "\"");
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+// A trainmem/1 report of a long audit is a few MiB; 256 MiB is far beyond
+// any, and bounds what `trainmem report /dev/zero` reads.
+constexpr int64_t kMaxReportBytes = int64_t{256} << 20;
 
 } // namespace
 
@@ -276,18 +407,21 @@ void add_audit_command(CLI::App& app) {
   auto f = std::make_shared<AuditFlags>();
   auto* sub = app.add_subcommand("audit", "train the bundled transformer for a few steps and report where memory goes");
   add_training_flags(*sub, *f);
-  sub->add_option("--lr", f->lr, "learning rate")->capture_default_str();
+  sub->add_option("--lr", f->lr, "learning rate")->check(positive_finite())->capture_default_str();
   sub->add_option("--device", f->device, "cpu or cuda[:index]")->capture_default_str();
-  sub->add_option("--steps", f->steps, "audited steps")->capture_default_str();
+  sub->add_option("--steps", f->steps, "audited steps")->check(int_in(1, 1000000))->capture_default_str();
   sub->add_option("--checkpoint", f->checkpoint, "none, full, every_<k> or selective (save matmuls)")
       ->capture_default_str();
   sub->add_flag("--offload", f->offload, "keep saved activations on the CPU (save-on-CPU)");
   sub->add_flag("--optimizer-in-backward", f->optimizer_in_backward, "step each parameter inside backward");
   sub->add_option("--seed", f->seed, "seed of weights and data")->capture_default_str();
   sub->add_flag("--json", f->json, "print one JSON document (schema trainmem/1) instead of text");
-  sub->add_option("--html", f->html, "write a self-contained HTML report to FILE");
-  sub->add_option("--trace", f->trace, "write a Chrome-trace/Perfetto JSON timeline to FILE");
-  sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE");
+  sub->add_option("--html", f->html, "write a self-contained HTML report to FILE (- for stdout)")
+      ->check(output_path());
+  sub->add_option("--trace", f->trace, "write a Chrome-trace/Perfetto JSON timeline to FILE (- for stdout)")
+      ->check(output_path());
+  sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE (- for stdout)")
+      ->check(output_path());
   sub->add_flag("--no-timeline", f->no_timeline, "do not record allocator events (CPU)");
   sub->add_option("--nproc", f->nproc, "data-parallel ranks: local processes on Gloo, the batch split across them")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}))
@@ -302,6 +436,8 @@ void add_audit_command(CLI::App& app) {
   sub->add_option("--fail-mode", f->fail_mode, "kill, throw or model (with --fail-rank)")
       ->check(CLI::IsMember({"kill", "throw", "model"}))
       ->capture_default_str();
+  sub->add_flag("--tf32", f->tf32, "CUDA: allow TF32 in fp32 matmuls and convolutions (recorded in the report)");
+  sub->add_flag("--force", f->force, "run even when the estimate exceeds the memory available");
   sub->callback([f] { run_audit(*f); });
 }
 
@@ -310,7 +446,21 @@ void add_estimate_command(CLI::App& app) {
   auto* sub = app.add_subcommand("estimate", "predict static buckets and activations without running anything");
   add_training_flags(*sub, *f);
   sub->add_flag("--json", f->json, "print one JSON document instead of text");
-  sub->callback([f] { run_estimate(*f); });
+  sub->add_option("--device", f->device, "cpu, or cuda[:index]: also predict the CUDA step's max allocated/reserved")
+      ->capture_default_str();
+  sub->add_option("--alloc-conf", f->alloc_conf, "with --device cuda: PYTORCH_CUDA_ALLOC_CONF settings to model");
+  sub->add_option("--cublas-workspace", f->cublas_workspace,
+                  "with --device cuda: cuBLAS workspace bytes per thread (8519680; 33554432 on Hopper and later)")
+      ->capture_default_str();
+  auto m = std::make_shared<ModelFileFlags>();
+  add_model_file_flags(*sub, *m);  // --model FILE (model_file.cpp)
+  sub->callback([f, m] {
+    if (!m->path.empty()) {
+      run_estimate_model(*m, f->model.batch, f->model.seq_len, f->json);
+    } else {
+      run_estimate(*f);
+    }
+  });
 }
 
 void add_report_command(CLI::App& app) {
@@ -321,30 +471,35 @@ void add_report_command(CLI::App& app) {
   auto f = std::make_shared<Flags>();
   auto* sub = app.add_subcommand("report", "re-render a saved JSON report (trainmem audit --json) as text or HTML");
   sub->add_option("FILE", f->input, "a report written by trainmem audit --json")->required()->check(CLI::ExistingFile);
-  sub->add_option("--html", f->html, "write the HTML report to FILE");
-  sub->add_option("--trace", f->trace, "write the Chrome-trace timeline to FILE");
+  sub->add_option("--html", f->html, "write the HTML report to FILE (- for stdout)")->check(output_path());
+  sub->add_option("--trace", f->trace, "write the Chrome-trace timeline to FILE (- for stdout)")
+      ->check(output_path());
   sub->add_flag("--json", f->json, "print the report as JSON (normalized) instead of text");
   sub->callback([f] {
-    for (const auto* path : {&f->html, &f->trace}) {
-      if (!path->empty()) {
-        check_writable(*path);
-      }
+    const int num_stdout = (f->html == "-" ? 1 : 0) + (f->trace == "-" ? 1 : 0);
+    if (num_stdout > 1 || (num_stdout == 1 && f->json)) {
+      throw UsageError("expected at most one document on stdout: one of --html -, --trace -, --json");
     }
+    std::optional<OutputFile> html, trace;
+    if (!f->html.empty()) html.emplace(f->html);
+    if (!f->trace.empty()) trace.emplace(f->trace);
     AuditReport r;
     try {
-      r = report_from_json(read_file(f->input));
+      r = report_from_json(read_file_bounded(f->input, kMaxReportBytes));
     } catch (const c10::Error& e) {
       throw UsageError(f->input + ": " + e.what_without_backtrace());
     }
-    if (!f->html.empty()) {
-      write_file_atomically(f->html, to_html(r));
+    if (html) {
+      html->commit(to_html(r));
       std::cerr << "trainmem: wrote " << f->html << "\n";
     }
-    if (!f->trace.empty()) {
-      write_file_atomically(f->trace, to_chrome_trace(r));
+    if (trace) {
+      trace->commit(to_chrome_trace(r));
       std::cerr << "trainmem: wrote " << f->trace << "\n";
     }
-    std::cout << (f->json ? to_json(r) + "\n" : to_text(r));
+    if (num_stdout == 0) {
+      std::cout << (f->json ? to_json(r) + "\n" : to_text(r));
+    }
   });
 }
 

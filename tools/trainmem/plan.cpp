@@ -15,7 +15,9 @@
 #include <torch/optim/adamw.h>
 
 #include "cli.h"
+#include "model_file.h"
 #include "trainmem/allocator.h"
+#include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "trainmem/transformer.h"
@@ -30,6 +32,10 @@ struct PlanFlags {
   bool no_selective = false;
   bool no_run = false;
   std::string cost = "flops";
+  std::string device = "cpu";             // cuda: plan against the predicted CUDA peak
+  std::string budget_kind = "allocated";  // with cuda: allocated or reserved
+  std::string model_file;                 // --model: a config.json (model_file.cpp)
+  bool run_model = false;                 // --run: with --model, run the plan on CPU
 };
 
 std::string commas(int64_t v) {
@@ -100,11 +106,68 @@ Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
   return m;
 }
 
+// plan --device cuda: the budget is on the predicted CUDA max_memory_allocated
+// or max_memory_reserved (cuda_predict.h); nothing runs (no GPU is needed).
+void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions& options, const std::string& unit) {
+  std::optional<c10::Device> device;
+  try {
+    device.emplace(f.device);
+  } catch (const c10::Error&) {
+  }
+  if (!device || !device->is_cuda()) {
+    throw UsageError("--device " + f.device + ": expected cpu or cuda[:index]");
+  }
+  if (f.budget_kind != "allocated" && f.budget_kind != "reserved") {
+    throw UsageError("--budget-kind " + f.budget_kind + ": expected allocated or reserved");
+  }
+  const auto kind = f.budget_kind == "allocated" ? CudaBudgetKind::kAllocated : CudaBudgetKind::kReserved;
+  const auto r = plan_checkpointing_cuda(o, options, kind);
+  if (f.json) {
+    nlohmann::json doc = {
+        {"schema", "trainmem/1"},
+        {"command", "plan"},
+        {"device", f.device},
+        {"budget_kind", to_string(kind)},
+        {"plan", plan_json(r.plan)},
+        {"cost_unit", unit},
+        {"cuda", {{"feasible", r.feasible},
+                  {"budget_bytes", r.budget_bytes},
+                  {"planner_budget_bytes", r.planner_budget_bytes},
+                  {"max_memory_allocated_bytes", r.cuda.max_memory_allocated_bytes},
+                  {"max_memory_reserved_bytes", r.cuda.max_memory_reserved_bytes}}},
+    };
+    std::cout << doc.dump() << "\n";
+  } else {
+    std::cout << fmt::format("trainmem plan --device {}: budget {} B on max_memory_{} (predicted; nothing is run)\n\n",
+                             f.device, commas(r.budget_bytes), to_string(kind));
+    std::cout << to_string(r.plan);
+    std::cout << "\n" << to_string(r.cuda);
+    std::cout << fmt::format("planner budget after {} round(s): {} B (CUDA adds workspaces, rounding, copies, slack)\n",
+                             r.num_rounds, commas(r.planner_budget_bytes));
+  }
+  if (!r.feasible) {
+    throw CheckFailed(fmt::format("no plan's predicted CUDA max_memory_{} fits {} B (the last plan tried, '{}', "
+                                  "predicts {} B allocated, {} B reserved)",
+                                  to_string(kind), commas(r.budget_bytes), r.plan.name,
+                                  commas(r.cuda.max_memory_allocated_bytes), commas(r.cuda.max_memory_reserved_bytes)));
+  }
+}
+
 void run(const PlanFlags& f) {
   check_model_flags(f.model);
   const int64_t budget = parse_bytes(f.budget);
   if (budget <= 0) {
     throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
+  }
+  if (!f.model_file.empty()) {
+    if (f.device != "cpu" || f.cost != "flops") {
+      throw UsageError("--model plans a CPU/meta step with FLOP costs: drop --device and --cost");
+    }
+    run_plan_model(f.model_file, budget, f.model.batch, f.model.seq_len, !f.no_selective, f.run_model, f.json);
+    return;
+  }
+  if (f.run_model) {
+    throw UsageError("--run goes with --model (the bundled model's plan runs unless --no-run)");
   }
   CpuMemoryTracker::install();  // first: every CPU byte of the run is counted
   const auto o = TransformerOptions()
@@ -118,11 +181,18 @@ void run(const PlanFlags& f) {
     torch::manual_seed(0);
     Transformer model(o);
     auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+    if (show_progress()) {  // seconds of work: say so on a terminal, nowhere else
+      std::cerr << "trainmem: timing each op on CPU (3 forward passes)..." << std::endl;
+    }
     plan_options.op_cost(measured_op_cost([&] { model->forward(x); }, 3));
   } else if (f.cost != "flops") {
     throw UsageError("--cost " + f.cost + ": expected flops or time");
   }
   const std::string unit = f.cost == "time" ? "s" : "FLOPs";
+  if (f.device != "cpu") {
+    run_cuda(f, o, plan_options, unit);
+    return;
+  }
   const auto plan = plan_checkpointing(o, plan_options);
   const std::string unmet = fmt::format(
       "no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'), at a "
@@ -131,6 +201,9 @@ void run(const PlanFlags& f) {
       plan.forward_cost > 0 ? 100.0 * plan.min_peak_cost / plan.forward_cost : 0.0);
   std::optional<Measured> measured;
   if (plan.feasible && !f.no_run) {
+    if (show_progress()) {
+      std::cerr << "trainmem: running the plan (a warm-up step and a measured step)..." << std::endl;
+    }
     measured = run_plan(o, plan);
   }
   if (f.json) {
@@ -190,6 +263,15 @@ void add_plan_command(CLI::App& app) {
   sub->add_flag("--no-selective", f->no_selective, "whole blocks only (store, checkpoint, segments)");
   sub->add_flag("--no-run", f->no_run, "plan only; do not run the plan");
   sub->add_option("--cost", f->cost, "recompute cost per op: flops (from shapes) or time (measured on CPU first)");
+  sub->add_option("--device", f->device, "cpu, or cuda[:index]: the budget is on the predicted CUDA peak")
+      ->capture_default_str();
+  sub->add_option("--budget-kind", f->budget_kind, "with --device cuda: allocated or reserved")
+      ->check(CLI::IsMember({"allocated", "reserved"}))
+      ->capture_default_str();
+  sub->add_option("--model", f->model_file,
+                  "a Hugging Face style config.json (gpt2 or llama): plan that model on meta instead "
+                  "(--batch and --seq-len give its micro-batch)");
+  sub->add_flag("--run", f->run_model, "with --model: also build it on CPU and run one step under the plan");
   sub->callback([f] { run(*f); });
 }
 

@@ -1,0 +1,202 @@
+#pragma once
+/// \file cuda_predict.h
+/// A training step's CUDA memory, predicted on a machine without a GPU: the
+/// step runs on meta tensors (no data), every storage it allocates and frees
+/// is recorded in order, the CUDA kernels' own allocations that meta kernels
+/// do not make are added (cuBLAS and cuBLASLt workspaces, contiguous copies
+/// cuBLAS needs, fused attention's log-sum-exp layout), and the trace is
+/// replayed through the caching-allocator model (cuda_allocator_model.h):
+/// the `torch.cuda.max_memory_allocated()` and `max_memory_reserved()` a
+/// CUDA run of the same step would print.
+///
+/// Example:
+/// ```
+/// trainmem::Transformer meta(o);
+/// trainmem::to_meta(*meta);
+/// torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+/// auto p = trainmem::predict_cuda_step_peak(*meta, [&] {
+///   return meta->forward(at::empty({16, 64, 128}, at::kMeta)).pow(2).mean(); }, &opt);
+/// std::cout << trainmem::to_string(p);   // max_memory_allocated, reserved, terms
+/// ```
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include "trainmem/cuda_allocator_model.h"
+#include "trainmem/planner.h"
+#include "trainmem/timeline.h"
+#include "trainmem/transformer.h"
+
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
+namespace torch::optim {
+class Optimizer;
+} // namespace torch::optim
+
+namespace trainmem {
+
+/// cuBLAS's workspace per (thread, stream) when CUBLAS_WORKSPACE_CONFIG is
+/// unset: ":4096:2:16:8" (2 x 4 MiB + 8 x 16 KiB) before Hopper, in bytes.
+inline constexpr int64_t kCublasWorkspaceBytes = 4096 * 1024 * 2 + 16 * 1024 * 8;
+/// The same on Hopper and later (compute capability 9 and up): ":4096:8", in bytes.
+inline constexpr int64_t kCublasWorkspaceHopperBytes = 4096 * 1024 * 8;
+/// cuBLASLt's workspace per (thread, stream) when CUBLASLT_WORKSPACE_SIZE is
+/// unset (1024 KiB), in bytes.
+inline constexpr int64_t kCublasLtWorkspaceBytes = 1024 * 1024;
+
+/// Which cuBLAS / cuBLASLt workspaces exist. LibTorch keeps one per cuBLAS
+/// handle and stream, handles are per thread, and on CUDA the backward runs
+/// on the autograd engine's device thread: so a training loop holds up to
+/// four, made on first use and never freed.
+struct CudaWorkspaces {
+  bool cublas_forward = false;    ///< the main thread's cuBLAS workspace
+  bool cublaslt_forward = false;  ///< the main thread's cuBLASLt workspace (addmm with a bias)
+  bool cublas_backward = false;   ///< the backward thread's cuBLAS workspace
+  bool cublaslt_backward = false; ///< the backward thread's cuBLASLt workspace
+};
+
+/// Options of predict_cuda_step_peak.
+///
+/// Example:
+/// ```
+/// auto o = trainmem::CudaPredictOptions()
+///              .allocator(trainmem::CudaAllocatorConfig::parse("expandable_segments:True"))
+///              .cublas_workspace_bytes(trainmem::kCublasWorkspaceHopperBytes);
+/// ```
+struct CudaPredictOptions {
+  /// The caching allocator's settings.
+  TORCH_ARG(CudaAllocatorConfig, allocator) = {};
+  /// Bytes of one cuBLAS workspace (kCublasWorkspaceBytes, or
+  /// kCublasWorkspaceHopperBytes on compute capability 9+).
+  TORCH_ARG(int64_t, cublas_workspace_bytes) = kCublasWorkspaceBytes;
+  /// Bytes of one cuBLASLt workspace; 0 where LibTorch shares cuBLAS's.
+  TORCH_ARG(int64_t, cublaslt_workspace_bytes) = kCublasLtWorkspaceBytes;
+  /// The workspaces that exist before the step (earlier steps made them).
+  TORCH_ARG(CudaWorkspaces, workspaces) = {};
+  /// Tensors already on the device when the step starts, beside the module's
+  /// parameters and buffers (another model left alive, a data set on the
+  /// device): allocated first, in this order. Meta tensors.
+  TORCH_ARG(std::vector<at::Tensor>, resident) = {};
+};
+
+/// The bytes live at the predicted max_memory_allocated, by what they are.
+/// All in bytes, block sizes (rounded as the allocator rounds them); they sum
+/// to max_memory_allocated_bytes.
+struct CudaPeakTerms {
+  int64_t resident_bytes = 0;         ///< CudaPredictOptions::resident
+  int64_t param_bytes = 0;            ///< the module's parameters and buffers
+  int64_t optimizer_state_bytes = 0;  ///< live from an earlier step to the end of this one
+  int64_t workspace_bytes = 0;        ///< cuBLAS / cuBLASLt workspaces
+  int64_t grad_bytes = 0;             ///< parameter gradients already written
+  int64_t kernel_temporary_bytes = 0; ///< what CUDA kernels allocate for themselves (cuBLAS's contiguous copies)
+  /// Everything else the step made: inputs, saved activations, outputs,
+  /// incoming gradients, temporaries.
+  int64_t step_bytes = 0;
+  /// Rounding: block sizes minus requested sizes, over all of the above.
+  int64_t rounding_bytes = 0;
+};
+
+/// A predicted CUDA step. Plain data; all in bytes.
+struct CudaStepPrediction {
+  int64_t max_memory_allocated_bytes = 0; ///< torch.cuda.max_memory_allocated() after reset_peak_memory_stats() at the step's start
+  int64_t max_memory_reserved_bytes = 0;  ///< torch.cuda.max_memory_reserved(), from an allocator holding only what was live at the step's start
+  int64_t start_allocated_bytes = 0;      ///< allocated when the step starts
+  int64_t peak_inactive_split_bytes = 0;  ///< highest free bytes inside split segments
+  double fragmentation = 0.0;             ///< 1 - max allocated / max reserved
+  Phase phase = Phase::kBackward;         ///< where max_memory_allocated is reached
+  CudaPeakTerms terms;                    ///< what is live at that peak
+  int64_t num_events = 0;                 ///< allocations and frees of the step
+  CudaWorkspaces workspaces;              ///< the workspaces after the step
+  /// The caching allocator's segments after the step (memory_snapshot()).
+  std::vector<CudaSegmentInfo> segments;
+};
+
+/// Predicts one training step on CUDA (zero_grad to none, `loss_fn()`,
+/// backward, `optimizer->step()` when given) from a run on meta tensors. With
+/// an optimizer the step runs twice and the second is reported (its state
+/// exists, its first step's cached segments are reused, as in a training
+/// loop). `loss_fn` builds its inputs on meta and returns a scalar. Throws,
+/// naming it, if a parameter is not on meta.
+///
+/// What it models beyond the meta kernels' outputs: the caching allocator
+/// (rounding, pools, segments, splitting), cuBLAS / cuBLASLt workspaces made
+/// on first use per thread, the contiguous copy cuBLAS makes of an operand it
+/// cannot read in place (an expanded gradient, e.g. after `sum()`), and the
+/// CUDA layouts of fused attention (cuda_meta_kernels below). What it does
+/// not: reduction kernels' small scratch buffers, cuDNN workspaces, NCCL,
+/// memory outside the caching allocator (the CUDA context, ~0.5 GB).
+CudaStepPrediction predict_cuda_step_peak(
+    torch::nn::Module& module,
+    const std::function<at::Tensor()>& loss_fn,
+    torch::optim::Optimizer* optimizer = nullptr,
+    const CudaPredictOptions& options = {});
+
+/// Text: max allocated and reserved, the phase, and the terms at the peak.
+std::string to_string(const CudaStepPrediction& prediction);
+
+/// The reference Transformer's training step on CUDA (forward with
+/// `checkpointing`, loss out.pow(2).mean(), backward, an AdamW step when
+/// `adamw`), predicted with predict_cuda_step_peak from a model built on meta.
+///
+/// Example:
+/// ```
+/// auto p = trainmem::predict_cuda_transformer_step(trainmem::TransformerOptions(),
+///                                                  trainmem::BlockCheckpointing::named(6, "full"));
+/// p.max_memory_allocated_bytes;
+/// ```
+CudaStepPrediction predict_cuda_transformer_step(
+    const TransformerOptions& model,
+    const BlockCheckpointing& checkpointing,
+    bool adamw = true,
+    const CudaPredictOptions& options = {});
+
+/// What a CUDA budget limits: what tensors hold (max_memory_allocated) or
+/// what the caching allocator holds from the device (max_memory_reserved,
+/// what an out-of-memory error is about).
+enum class CudaBudgetKind { kAllocated, kReserved };
+
+/// "allocated", "reserved".
+const char* to_string(CudaBudgetKind kind);
+
+/// A checkpointing plan whose predicted CUDA peak fits a budget. Plain data.
+struct CudaCheckpointPlan {
+  bool feasible = false;            ///< the CUDA peak of `kind` fits the budget
+  CudaBudgetKind kind = CudaBudgetKind::kAllocated;
+  int64_t budget_bytes = 0;         ///< the CUDA budget, in bytes
+  /// The budget the CPU planner was given last (the CUDA budget minus what
+  /// CUDA adds: workspaces, rounding, kernels' copies, allocator slack), in bytes.
+  int64_t planner_budget_bytes = 0;
+  int64_t num_rounds = 0;           ///< planner calls made
+  CheckpointPlan plan;              ///< the plan (when infeasible: the last one tried)
+  CudaStepPrediction cuda;          ///< its predicted CUDA step
+};
+
+/// plan_checkpointing() for a CUDA budget: plans against the CPU peak model,
+/// predicts the plan's CUDA step, and while the CUDA peak of `kind` exceeds
+/// the budget lowers the planner's budget by the excess and plans again
+/// (at most 8 rounds). `options.budget_bytes()` is the CUDA budget.
+///
+/// Example:
+/// ```
+/// auto p = trainmem::plan_checkpointing_cuda(o, trainmem::PlanOptions().budget_bytes(64 << 20),
+///                                            trainmem::CudaBudgetKind::kReserved);
+/// ```
+CudaCheckpointPlan plan_checkpointing_cuda(
+    const TransformerOptions& model,
+    const PlanOptions& options,
+    CudaBudgetKind kind,
+    const CudaPredictOptions& cuda = {});
+
+/// Bytes of the copy cuBLAS makes of a matmul operand it cannot pass as is
+/// (LibTorch's prepare_matrix_for_cublas: a matrix that is neither dense
+/// nor row/column strided with a valid leading dimension is cloned
+/// contiguous), or 0. `t` is a 2-d or 3-d (batched) operand.
+int64_t cublas_operand_copy_bytes(const at::Tensor& t);
+
+} // namespace trainmem

@@ -1,0 +1,842 @@
+#include "trainmem/cuda_allocator_model.h"
+
+#include <algorithm>
+#include <bit>
+#include <map>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+
+#include <c10/util/Exception.h>
+
+namespace trainmem {
+
+// Note [A model of the CUDA caching allocator]
+// Each function below mirrors the one of c10/cuda/CUDACachingAllocator.cpp
+// named in its comment (read in PyTorch's source; the constants are those of
+// c10/core/AllocatorConfig.h in the installed 2.13 wheel). What is left out:
+// cross-stream uses (record_stream events), CUDA graph pools, garbage
+// collection by `garbage_collection_threshold`, and IPC. Addresses are made
+// up: each new segment starts 2 MiB past the end of the previous one.
+
+namespace {
+
+constexpr int64_t kMinBlockSize = 512;       // all sizes are rounded to at least 512 B
+constexpr int64_t kSmallSize = 1048576;      // largest "small" allocation is 1 MiB
+constexpr int64_t kSmallBuffer = 2097152;    // "small" allocations are packed in 2 MiB blocks
+constexpr int64_t kMinLargeAlloc = 10485760; // allocations between 1 and 10 MiB may use kLargeBuffer
+constexpr int64_t kRoundLarge = 2097152;     // round up large allocations to 2 MiB
+constexpr int64_t kRoundUpPowerOfTwoIntervals = 16;  // from 1 MiB to 64 GiB
+
+struct Pool;
+
+struct Block {
+  uint64_t ptr = 0;
+  uint64_t base = 0;  // the segment's first address (expandable pages are aligned to it)
+  int64_t size = 0;
+  int64_t requested = 0;
+  int64_t stream = 0;
+  Pool* pool = nullptr;
+  bool allocated = false;
+  bool mapped = true;
+  bool expandable = false;
+  Block* prev = nullptr;
+  Block* next = nullptr;
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+};
+
+struct BySize {
+  bool operator()(const Block* a, const Block* b) const {
+    return std::tie(a->stream, a->size, a->ptr) < std::tie(b->stream, b->size, b->ptr);
+  }
+};
+struct ByAddress {
+  bool operator()(const Block* a, const Block* b) const {
+    return std::tie(a->stream, a->ptr) < std::tie(b->stream, b->ptr);
+  }
+};
+
+struct Pool {
+  explicit Pool(bool s) : small(s) {}
+  bool small;
+  std::set<Block*, BySize> blocks;       // free, mapped
+  std::set<Block*, ByAddress> unmapped;  // expandable address space without pages
+};
+
+int64_t round_up(int64_t n, int64_t to) {
+  return (n + to - 1) / to * to;
+}
+
+// roundup_power2_next_division()
+int64_t next_division(int64_t size, int64_t divisions) {
+  const auto u = static_cast<uint64_t>(size);
+  if (std::has_single_bit(u)) {
+    return size;
+  }
+  const uint64_t floor = std::bit_floor(u);
+  const uint64_t step = floor >> (std::bit_width(static_cast<uint64_t>(divisions)) - 1);
+  if (step == 0) {
+    return static_cast<int64_t>(floor << 1);
+  }
+  const uint64_t rounded = u & ~(step - 1);
+  return static_cast<int64_t>(rounded == u ? u : rounded + step);
+}
+
+int64_t parse_int(const std::string& key, const std::string& value) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == value.size() && !value.empty() && v >= 0, "CudaAllocatorConfig: expected a ",
+              "non-negative integer for ", key, ", but got '", value, "'");
+  return v;
+}
+
+bool parse_bool(const std::string& key, const std::string& value) {
+  if (value == "True" || value == "true" || value == "1") {
+    return true;
+  }
+  TORCH_CHECK(value == "False" || value == "false" || value == "0", "CudaAllocatorConfig: expected ",
+              "True or False for ", key, ", but got '", value, "'");
+  return false;
+}
+
+} // namespace
+
+CudaAllocatorConfig CudaAllocatorConfig::parse(const std::string& conf) {
+  // AcceleratorAllocatorConfig::parseArgs: "key:value,key:[k:v,k:v]".
+  CudaAllocatorConfig c;
+  size_t i = 0;
+  auto skip_spaces = [&] {
+    while (i < conf.size() && std::isspace(static_cast<unsigned char>(conf[i]))) {
+      ++i;
+    }
+  };
+  while (i < conf.size()) {
+    skip_spaces();
+    if (i >= conf.size()) {
+      break;
+    }
+    const size_t colon = conf.find(':', i);
+    TORCH_CHECK(colon != std::string::npos, "CudaAllocatorConfig: expected key:value, but got '",
+                conf.substr(i), "' in '", conf, "'");
+    std::string key = conf.substr(i, colon - i);
+    key.erase(std::remove_if(key.begin(), key.end(), [](unsigned char ch) { return std::isspace(ch); }),
+              key.end());
+    i = colon + 1;
+    skip_spaces();
+    std::string value;
+    if (i < conf.size() && conf[i] == '[') {
+      const size_t close = conf.find(']', i);
+      TORCH_CHECK(close != std::string::npos, "CudaAllocatorConfig: unclosed '[' for ", key, " in '", conf, "'");
+      value = conf.substr(i, close - i + 1);
+      i = close + 1;
+      skip_spaces();
+      if (i < conf.size() && conf[i] == ',') {
+        ++i;
+      }
+    } else {
+      const size_t comma = conf.find(',', i);
+      value = conf.substr(i, comma == std::string::npos ? std::string::npos : comma - i);
+      i = comma == std::string::npos ? conf.size() : comma + 1;
+    }
+    value.erase(std::remove_if(value.begin(), value.end(), [](unsigned char ch) { return std::isspace(ch); }),
+                value.end());
+    if (key == "max_split_size_mb") {
+      const int64_t mb = parse_int(key, value);
+      // LibTorch: at least kLargeBuffer / 1 MiB (20), "MB" meaning MiB.
+      TORCH_CHECK(mb > 20, "CudaAllocatorConfig: expected max_split_size_mb > 20, but got ", mb);
+      c.max_split_size_bytes(mb << 20);
+    } else if (key == "max_non_split_rounding_mb") {
+      c.max_non_split_rounding_bytes(parse_int(key, value) << 20);
+    } else if (key == "large_segment_size_mb") {
+      const int64_t mb = parse_int(key, value);
+      TORCH_CHECK(mb >= 2, "CudaAllocatorConfig: expected large_segment_size_mb >= 2, but got ", mb);
+      c.large_segment_bytes(mb << 20);
+    } else if (key == "expandable_segments") {
+      c.expandable_segments(parse_bool(key, value));
+    } else if (key == "roundup_power2_divisions") {
+      std::vector<int64_t> d(kRoundUpPowerOfTwoIntervals, 0);
+      auto check_pow2 = [&](int64_t v) {
+        TORCH_CHECK(v == 0 || std::has_single_bit(static_cast<uint64_t>(v)),
+                    "CudaAllocatorConfig: expected a power of 2 in roundup_power2_divisions, but got ", v);
+        return v;
+      };
+      if (!value.empty() && value.front() == '[') {
+        // AcceleratorAllocatorConfig::parseRoundUpPower2Divisions, list form.
+        std::string body = value.substr(1, value.size() - 2);
+        size_t last_index = 0;
+        bool first = true;
+        size_t j = 0;
+        while (j < body.size()) {
+          size_t comma = body.find(',', j);
+          std::string item = body.substr(j, comma == std::string::npos ? std::string::npos : comma - j);
+          j = comma == std::string::npos ? body.size() : comma + 1;
+          const size_t c2 = item.find(':');
+          TORCH_CHECK(c2 != std::string::npos, "CudaAllocatorConfig: expected size:divisions in ",
+                      "roundup_power2_divisions, but got '", item, "'");
+          const std::string k = item.substr(0, c2);
+          const int64_t v = check_pow2(parse_int(key, item.substr(c2 + 1)));
+          if (k == ">") {
+            std::fill(d.begin() + static_cast<int64_t>(last_index) + 1, d.end(), v);
+          } else {
+            const int64_t mb = check_pow2(parse_int(key, k));
+            TORCH_CHECK(mb > 0, "CudaAllocatorConfig: expected a size in MiB > 0 in roundup_power2_divisions");
+            size_t index = static_cast<size_t>(std::bit_width(static_cast<uint64_t>(mb)) - 1);
+            index = std::min(index, static_cast<size_t>(kRoundUpPowerOfTwoIntervals - 1));
+            if (first) {
+              std::fill(d.begin(), d.begin() + static_cast<int64_t>(index), v);
+              first = false;
+            }
+            d[index] = v;
+            last_index = index;
+          }
+        }
+      } else {
+        std::fill(d.begin(), d.end(), check_pow2(parse_int(key, value)));
+      }
+      c.roundup_power2_divisions(d);
+    } else if (key == "garbage_collection_threshold" || key == "release_lock_on_cudamalloc" ||
+               key == "pinned_use_cuda_host_register" || key == "pinned_num_register_threads" ||
+               key == "pinned_use_background_threads" || key == "pinned_max_round_threshold" ||
+               key == "pinned_max_cached_size" || key == "backend" || key == "per_process_memory_fraction" ||
+               key == "graph_capture_record_stream_reuse") {
+      // Accepted, not modelled.
+    } else {
+      TORCH_CHECK(false, "CudaAllocatorConfig: unknown setting '", key, "' in '", conf, "'");
+    }
+  }
+  return c;
+}
+
+struct CudaCachingAllocatorModel::Impl {
+  explicit Impl(CudaAllocatorConfig c) : config(std::move(c)), small(true), large(false) {}
+  ~Impl() {
+    std::set<Block*> all;
+    for (auto* p : {&small, &large}) {
+      all.insert(p->blocks.begin(), p->blocks.end());
+      all.insert(p->unmapped.begin(), p->unmapped.end());
+    }
+    for (auto& [ptr, b] : active) {
+      all.insert(b);
+    }
+    for (Block* b : all) {
+      delete b;
+    }
+  }
+
+  CudaAllocatorConfig config;
+  Pool small;
+  Pool large;
+  std::unordered_map<uint64_t, Block*> active;
+  CudaAllocatorStats s;
+  uint64_t next_address = 0x7f0000000000ULL;
+
+  int64_t max_split() const { return config.max_split_size_bytes(); }
+
+  // round_size()
+  int64_t round_size(int64_t size) const {
+    if (size < kMinBlockSize) {
+      return kMinBlockSize;
+    }
+    const int64_t divisions = this->divisions(size);
+    if (divisions > 1 && size > kMinBlockSize * divisions) {
+      return next_division(size, divisions);
+    }
+    return round_up(size, kMinBlockSize);
+  }
+
+  // AcceleratorAllocatorConfig::roundup_power2_divisions(size)
+  int64_t divisions(int64_t size) const {
+    const auto& d = config.roundup_power2_divisions();
+    if (d.empty()) {
+      return 0;
+    }
+    const int64_t log_size = std::bit_width(static_cast<uint64_t>(size)) - 1;
+    const int64_t interval_start = 20;  // 1 MiB
+    int64_t index = log_size > interval_start ? log_size - interval_start : 0;
+    index = std::min<int64_t>(index, static_cast<int64_t>(d.size()) - 1);
+    return d[static_cast<size_t>(index)];
+  }
+
+  // get_allocation_size()
+  int64_t allocation_size(int64_t size) const {
+    if (size <= kSmallSize) {
+      return kSmallBuffer;
+    }
+    if (size < kMinLargeAlloc) {
+      return config.large_segment_bytes();
+    }
+    return round_up(size, kRoundLarge);
+  }
+
+  Pool& pool_for(int64_t size) { return size <= kSmallSize ? small : large; }
+
+  void add(int64_t& current, int64_t& peak, int64_t amount) {
+    current += amount;
+    peak = std::max(peak, current);
+  }
+  void add_inactive_split(int64_t amount) {
+    add(s.inactive_split_bytes, s.peak_inactive_split_bytes, amount);
+  }
+  void add_reserved(int64_t amount) { add(s.reserved_bytes, s.peak_reserved_bytes, amount); }
+
+  uint64_t new_address(int64_t size) {
+    const uint64_t a = next_address;
+    next_address += static_cast<uint64_t>(round_up(size, kRoundLarge) + kRoundLarge);
+    return a;
+  }
+
+  // get_free_block()
+  Block* get_free_block(Pool& pool, int64_t size, int64_t stream) {
+    Block key;
+    key.stream = stream;
+    key.size = size;
+    key.ptr = 0;
+    auto it = pool.blocks.lower_bound(&key);
+    if (it == pool.blocks.end() || (*it)->stream != stream) {
+      return nullptr;
+    }
+    if ((*it)->expandable) {
+      if (config.expandable_segments()) {
+        // Best fit by the size a block could grow to (its unmapped tail counted).
+        auto expandable_size = [](Block* b) {
+          return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
+        };
+        auto next = std::next(it);
+        while ((*it)->expandable && next != pool.blocks.end() && (*next)->stream == stream &&
+               expandable_size(*next) < expandable_size(*it)) {
+          it = next++;
+        }
+      } else {
+        do {
+          ++it;
+        } while (it != pool.blocks.end() && (*it)->expandable && (*it)->stream == stream);
+        if (it == pool.blocks.end() || (*it)->stream != stream) {
+          return nullptr;
+        }
+      }
+    }
+    // Do not return an oversized block for a large request.
+    if (size < max_split() && (*it)->size >= max_split()) {
+      return nullptr;
+    }
+    // Allow an oversized block to be rounded up, within a limit.
+    if (size >= max_split() && (*it)->size >= size + config.max_non_split_rounding_bytes()) {
+      return nullptr;
+    }
+    Block* b = *it;
+    pool.blocks.erase(it);
+    return b;
+  }
+
+  // alloc_block(), the cudaMalloc path
+  Block* alloc_block(Pool& pool, int64_t size, int64_t alloc_size, int64_t stream, bool retry) {
+    if (retry) {
+      s.num_alloc_retries += 1;
+    }
+    if (config.expandable_segments()) {
+      return try_allocate_expandable_block(pool, size, stream);
+    }
+    if (config.device_bytes() > 0 && s.reserved_bytes + alloc_size > config.device_bytes()) {
+      return nullptr;
+    }
+    auto* b = new Block();
+    b->ptr = new_address(alloc_size);
+    b->base = b->ptr;
+    b->size = alloc_size;
+    b->stream = stream;
+    b->pool = &pool;
+    add_reserved(alloc_size);
+    s.num_segments += 1;
+    s.num_device_allocs += 1;
+    return b;
+  }
+
+  // release_block(): cudaFree of a whole, free, unsplit segment
+  void release_block(Block* b) {
+    b->pool->blocks.erase(b);
+    add_reserved(-b->size);
+    s.num_segments -= 1;
+    s.num_device_frees += 1;
+    delete b;
+  }
+
+  // release_available_cached_blocks(): oversize blocks only
+  bool release_available_cached_blocks(Pool& pool, int64_t size, int64_t stream) {
+    if (max_split() == std::numeric_limits<int64_t>::max()) {
+      return false;
+    }
+    Block key;
+    key.stream = stream;
+    key.size = std::max(size, max_split());
+    auto it = pool.blocks.lower_bound(&key);
+    if (it == pool.blocks.end() || (*it)->stream != stream || (*it)->expandable) {
+      if (it == pool.blocks.begin()) {
+        return false;
+      }
+      int64_t released = 0;
+      --it;  // the largest block of this stream
+      while (released < key.size && (*it)->size >= max_split() && (*it)->stream == stream) {
+        auto cur = it;
+        const bool first = cur == pool.blocks.begin();
+        if (!first) {
+          --it;
+        }
+        if (!(*cur)->expandable && !(*cur)->is_split()) {
+          released += (*cur)->size;
+          release_block(*cur);
+        }
+        if (first) {
+          break;
+        }
+      }
+      return released >= key.size;
+    }
+    if ((*it)->is_split()) {
+      return false;
+    }
+    release_block(*it);
+    return true;
+  }
+
+  // release_cached_blocks(): every unsplit free segment, both pools
+  bool release_cached_blocks() {
+    for (Pool* p : {&large, &small}) {
+      std::vector<Block*> whole;
+      for (Block* b : p->blocks) {
+        if (!b->is_split() && !b->expandable) {
+          whole.push_back(b);
+        }
+      }
+      for (Block* b : whole) {
+        release_block(b);
+      }
+    }
+    unmap_free_pages();
+    return true;
+  }
+
+  int64_t page_size(const Pool& pool) const { return pool.small ? kSmallBuffer : config.large_segment_bytes(); }
+
+  // find_expandable_block()
+  Block* find_expandable_block(Pool& pool, int64_t size, int64_t stream) {
+    auto allocatable = [](Block* b) { return b != nullptr && !b->allocated; };
+    auto has_space = [&](Block* b) {
+      int64_t bytes = 0;
+      while (bytes < size && allocatable(b)) {
+        bytes += b->size;
+        b = b->next;
+      }
+      return bytes >= size;
+    };
+    Block key;
+    key.stream = stream;
+    key.ptr = 0;
+    for (auto it = pool.unmapped.lower_bound(&key); it != pool.unmapped.end() && (*it)->stream == stream; ++it) {
+      Block* c = *it;
+      if (allocatable(c->prev)) {
+        c = c->prev;
+      }
+      if (has_space(c)) {
+        return c;
+      }
+    }
+    // A new segment: address space for 1 1/8 of the device (1 TiB without a capacity).
+    const int64_t page = page_size(pool);
+    const int64_t space = config.device_bytes() > 0
+        ? (config.device_bytes() + config.device_bytes() / 8) / page * page
+        : (1LL << 40) / page * page;
+    auto* c = new Block();
+    c->ptr = new_address(space);
+    c->base = c->ptr;
+    c->size = space;
+    c->stream = stream;
+    c->pool = &pool;
+    c->mapped = false;
+    c->expandable = true;
+    pool.unmapped.insert(c);
+    return c;
+  }
+
+  // map_block(): map whole pages at the start of an unmapped block
+  bool map_block(Block* to_map, int64_t size) {
+    const int64_t page = page_size(*to_map->pool);
+    const int64_t mapped = std::min(to_map->size, round_up(size, page));
+    if (config.device_bytes() > 0 && s.reserved_bytes + mapped > config.device_bytes()) {
+      return false;
+    }
+    Pool& pool = *to_map->pool;
+    pool.unmapped.erase(to_map);
+    to_map->mapped = true;
+    if (mapped < to_map->size) {
+      auto* rest = new Block();
+      rest->ptr = to_map->ptr + static_cast<uint64_t>(mapped);
+      rest->base = to_map->base;
+      rest->size = to_map->size - mapped;
+      rest->stream = to_map->stream;
+      rest->pool = &pool;
+      rest->mapped = false;
+      rest->expandable = true;
+      rest->prev = to_map;
+      rest->next = to_map->next;
+      if (to_map->next != nullptr) {
+        to_map->next->prev = rest;
+      }
+      to_map->next = rest;
+      pool.unmapped.insert(rest);
+      to_map->size = mapped;
+    }
+    try_merge(to_map, to_map->prev, pool);
+    try_merge(to_map, to_map->next, pool);
+    pool.blocks.insert(to_map);
+    add_reserved(mapped);
+    s.num_device_allocs += 1;
+    return true;
+  }
+
+  // try_allocate_expandable_block()
+  Block* try_allocate_expandable_block(Pool& pool, int64_t size, int64_t stream) {
+    Block* c = find_expandable_block(pool, size, stream);
+    if (!c->mapped && !map_block(c, std::min(c->size, size))) {
+      return nullptr;
+    }
+    while (c->size < size) {
+      Block* n = c->next;
+      if (!map_block(n, std::min(size - c->size, n->size))) {
+        return nullptr;
+      }
+      c = n;  // map_block merged c into n
+    }
+    pool.blocks.erase(c);
+    return c;
+  }
+
+  // Unmaps the whole pages inside free blocks of expandable segments
+  // (release_expandable_segment / unmap_block).
+  void unmap_free_pages() {
+    for (Pool* p : {&large, &small}) {
+      std::vector<Block*> free_expandable;
+      for (Block* b : p->blocks) {
+        if (b->expandable) {
+          free_expandable.push_back(b);
+        }
+      }
+      const auto page = static_cast<uint64_t>(page_size(*p));
+      for (Block* b : free_expandable) {
+        const uint64_t offset = b->ptr - b->base;
+        const uint64_t begin = b->base + (offset + page - 1) / page * page;
+        const uint64_t end = b->base + (offset + static_cast<uint64_t>(b->size)) / page * page;
+        if (end <= begin) {
+          continue;
+        }
+        p->blocks.erase(b);
+        // [b: head][mid: unmapped][tail]
+        Block* mid = b;
+        if (begin > b->ptr) {
+          mid = new Block(*b);
+          mid->ptr = begin;
+          mid->size = b->size - static_cast<int64_t>(begin - b->ptr);
+          b->size = static_cast<int64_t>(begin - b->ptr);
+          mid->prev = b;
+          mid->next = b->next;
+          if (b->next != nullptr) {
+            b->next->prev = mid;
+          }
+          b->next = mid;
+          p->blocks.insert(b);
+        }
+        if (mid->ptr + static_cast<uint64_t>(mid->size) > end) {
+          auto* tail = new Block(*mid);
+          tail->ptr = end;
+          tail->size = static_cast<int64_t>(mid->ptr + static_cast<uint64_t>(mid->size) - end);
+          mid->size = static_cast<int64_t>(end - mid->ptr);
+          tail->prev = mid;
+          tail->next = mid->next;
+          if (mid->next != nullptr) {
+            mid->next->prev = tail;
+          }
+          mid->next = tail;
+          p->blocks.insert(tail);
+        }
+        mid->mapped = false;
+        add_reserved(-mid->size);
+        s.num_device_frees += 1;
+        p->unmapped.insert(mid);
+        Block* prev = mid->prev;
+        Block* next = mid->next;
+        if (prev != nullptr && !prev->mapped) {
+          p->unmapped.erase(prev);
+          p->unmapped.erase(mid);
+          merge_into(mid, prev);
+          p->unmapped.insert(mid);
+        }
+        if (next != nullptr && !next->mapped) {
+          p->unmapped.erase(next);
+          p->unmapped.erase(mid);
+          merge_into(mid, next);
+          p->unmapped.insert(mid);
+        }
+      }
+    }
+  }
+
+  // Absorbs neighbour `src` into `dst` (no pool bookkeeping).
+  static void merge_into(Block* dst, Block* src) {
+    if (dst->prev == src) {
+      dst->ptr = src->ptr;
+      dst->prev = src->prev;
+      if (dst->prev != nullptr) {
+        dst->prev->next = dst;
+      }
+    } else {
+      dst->next = src->next;
+      if (dst->next != nullptr) {
+        dst->next->prev = dst;
+      }
+    }
+    dst->size += src->size;
+    delete src;
+  }
+
+  // try_merge_blocks()
+  int64_t try_merge(Block* dst, Block* src, Pool& pool) {
+    if (src == nullptr || src->allocated || dst->mapped != src->mapped) {
+      return 0;
+    }
+    const int64_t subsumed = src->size;
+    if (src->mapped) {
+      pool.blocks.erase(src);
+    } else {
+      pool.unmapped.erase(src);
+    }
+    merge_into(dst, src);
+    return subsumed;
+  }
+
+  // should_split()
+  bool should_split(const Block* b, int64_t size) const {
+    const int64_t remaining = b->size - size;
+    if (b->pool->small || config.expandable_segments()) {
+      return remaining >= kMinBlockSize;
+    }
+    return size < max_split() && remaining > kSmallSize;
+  }
+
+  // alloc_found_block()
+  Block* alloc_found_block(Block* block, int64_t size, int64_t requested, bool split) {
+    Pool& pool = *block->pool;
+    const bool already_split = block->is_split();
+    if (split) {
+      Block* remaining = block;
+      block = new Block();
+      block->ptr = remaining->ptr;
+      block->base = remaining->base;
+      block->size = size;
+      block->stream = remaining->stream;
+      block->pool = &pool;
+      block->expandable = remaining->expandable;
+      block->prev = remaining->prev;
+      if (block->prev != nullptr) {
+        block->prev->next = block;
+      }
+      block->next = remaining;
+      remaining->prev = block;
+      remaining->ptr += static_cast<uint64_t>(size);
+      remaining->size -= size;
+      pool.blocks.insert(remaining);
+      if (already_split && !block->expandable) {
+        add_inactive_split(-block->size);  // an inactive split block shrinks by `size`
+      } else if (!block->expandable) {
+        add_inactive_split(remaining->size);  // a new inactive split block
+      }
+    } else if (already_split && !block->expandable) {
+      add_inactive_split(-block->size);  // a split block becomes active
+    }
+    block->allocated = true;
+    block->requested = requested;
+    active[block->ptr] = block;
+    s.num_allocs += 1;
+    add(s.allocated_bytes, s.peak_allocated_bytes, block->size);
+    add(s.requested_bytes, s.peak_requested_bytes, requested);
+    return block;
+  }
+
+  uint64_t malloc(int64_t bytes, int64_t stream) {
+    TORCH_CHECK(bytes >= 0, "CudaCachingAllocatorModel::malloc: expected a size >= 0, but got ", bytes);
+    if (bytes == 0) {
+      return 0;  // CUDACachingAllocator::allocate hands out a null pointer
+    }
+    const int64_t size = round_size(bytes);
+    Pool& pool = pool_for(size);
+    const int64_t alloc_size = allocation_size(size);
+    Block* b = get_free_block(pool, size, stream);
+    if (b == nullptr) {
+      b = alloc_block(pool, size, alloc_size, stream, false);
+    }
+    if (b == nullptr && release_available_cached_blocks(pool, size, stream)) {
+      b = alloc_block(pool, size, alloc_size, stream, false);
+    }
+    if (b == nullptr && release_cached_blocks()) {
+      b = alloc_block(pool, size, alloc_size, stream, true);
+    }
+    if (b == nullptr) {
+      s.num_ooms += 1;
+      return 0;
+    }
+    return alloc_found_block(b, size, bytes, should_split(b, size))->ptr;
+  }
+
+  // free() and free_block()
+  void free(uint64_t address) {
+    auto it = active.find(address);
+    TORCH_CHECK(it != active.end(), "CudaCachingAllocatorModel::free: no block is allocated at address ",
+                address);
+    Block* block = it->second;
+    active.erase(it);
+    block->allocated = false;
+    s.num_frees += 1;
+    s.allocated_bytes -= block->size;
+    s.requested_bytes -= block->requested;
+    block->requested = 0;
+    Pool& pool = *block->pool;
+    int64_t inactive_change = 0;
+    for (Block* candidate : {block->prev, block->next}) {
+      const int64_t subsumed = try_merge(block, candidate, pool);
+      if (subsumed > 0) {
+        inactive_change -= subsumed;
+      }
+    }
+    pool.blocks.insert(block);
+    if (block->is_split()) {
+      inactive_change += block->size;
+    }
+    if (!block->expandable) {
+      add_inactive_split(inactive_change);
+    }
+  }
+
+  std::vector<CudaSegmentInfo> segments() const {
+    std::vector<const Block*> heads;
+    auto consider = [&](const Block* b) {
+      if (b->mapped && (b->prev == nullptr || !b->prev->mapped)) {
+        heads.push_back(b);
+      }
+    };
+    for (const Pool* p : {&small, &large}) {
+      for (const Block* b : p->blocks) {
+        consider(b);
+      }
+    }
+    for (const auto& [ptr, b] : active) {
+      consider(b);
+    }
+    std::vector<CudaSegmentInfo> out;
+    for (const Block* h : heads) {
+      CudaSegmentInfo seg;
+      seg.address = h->ptr;
+      seg.large_pool = !h->pool->small;
+      seg.expandable = h->expandable;
+      seg.stream = h->stream;
+      for (const Block* b = h; b != nullptr && b->mapped; b = b->next) {
+        seg.blocks.push_back({b->ptr, b->size, b->requested, b->allocated});
+        seg.total_bytes += b->size;
+        seg.allocated_bytes += b->allocated ? b->size : 0;
+      }
+      out.push_back(std::move(seg));
+    }
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.address < b.address; });
+    return out;
+  }
+};
+
+CudaCachingAllocatorModel::CudaCachingAllocatorModel(CudaAllocatorConfig config)
+    : impl_(std::make_unique<Impl>(std::move(config))) {
+  const auto& d = impl_->config.roundup_power2_divisions();
+  TORCH_CHECK(d.empty() || static_cast<int64_t>(d.size()) == kRoundUpPowerOfTwoIntervals,
+              "CudaCachingAllocatorModel: expected 0 or 16 roundup_power2_divisions, but got ", d.size());
+  TORCH_CHECK(impl_->config.max_split_size_bytes() > 0 && impl_->config.large_segment_bytes() > 0 &&
+                  impl_->config.device_bytes() >= 0 && impl_->config.max_non_split_rounding_bytes() >= 0,
+              "CudaCachingAllocatorModel: sizes must be positive (max_split_size_bytes ",
+              impl_->config.max_split_size_bytes(), ", large_segment_bytes ", impl_->config.large_segment_bytes(),
+              ", device_bytes ", impl_->config.device_bytes(), ")");
+}
+CudaCachingAllocatorModel::~CudaCachingAllocatorModel() = default;
+CudaCachingAllocatorModel::CudaCachingAllocatorModel(CudaCachingAllocatorModel&&) noexcept = default;
+CudaCachingAllocatorModel& CudaCachingAllocatorModel::operator=(CudaCachingAllocatorModel&&) noexcept = default;
+
+uint64_t CudaCachingAllocatorModel::malloc(int64_t bytes, int64_t stream) {
+  return impl_->malloc(bytes, stream);
+}
+void CudaCachingAllocatorModel::free(uint64_t address) {
+  impl_->free(address);
+}
+void CudaCachingAllocatorModel::empty_cache() {
+  impl_->release_cached_blocks();
+}
+void CudaCachingAllocatorModel::reset_peak() {
+  auto& s = impl_->s;
+  s.peak_allocated_bytes = s.allocated_bytes;
+  s.peak_reserved_bytes = s.reserved_bytes;
+  s.peak_requested_bytes = s.requested_bytes;
+  s.peak_inactive_split_bytes = s.inactive_split_bytes;
+}
+CudaAllocatorStats CudaCachingAllocatorModel::stats() const {
+  return impl_->s;
+}
+std::vector<CudaSegmentInfo> CudaCachingAllocatorModel::segments() const {
+  return impl_->segments();
+}
+const CudaAllocatorConfig& CudaCachingAllocatorModel::config() const {
+  return impl_->config;
+}
+int64_t CudaCachingAllocatorModel::round_size(int64_t bytes) const {
+  return impl_->round_size(bytes);
+}
+int64_t CudaCachingAllocatorModel::allocation_size(int64_t rounded_bytes) const {
+  return impl_->allocation_size(rounded_bytes);
+}
+
+CudaReplay replay(const std::vector<AllocationEvent>& events, CudaCachingAllocatorModel& model) {
+  model.reset_peak();
+  CudaReplay r;
+  r.peak_allocated_bytes = model.stats().allocated_bytes;
+  r.peak_reserved_bytes = model.stats().reserved_bytes;
+  r.slack_at_peak_reserved_bytes = model.stats().reserved_bytes - model.stats().allocated_bytes;
+  std::unordered_map<uint64_t, uint64_t> address_of;  // trace id -> model address
+  for (size_t i = 0; i < events.size(); ++i) {
+    const auto& e = events[i];
+    if (e.bytes > 0) {
+      const uint64_t a = model.malloc(e.bytes, e.stream);
+      if (a != 0) {
+        address_of[e.id] = a;
+      }
+    } else if (e.bytes < 0) {
+      auto it = address_of.find(e.id);
+      if (it == address_of.end()) {
+        continue;
+      }
+      model.free(it->second);
+      address_of.erase(it);
+    }
+    const auto s = model.stats();
+    if (s.allocated_bytes > r.peak_allocated_bytes) {
+      r.peak_allocated_bytes = s.allocated_bytes;
+      r.peak_event = static_cast<int64_t>(i);
+    }
+    if (s.reserved_bytes > r.peak_reserved_bytes) {
+      r.peak_reserved_bytes = s.reserved_bytes;
+      r.slack_at_peak_reserved_bytes = s.reserved_bytes - s.allocated_bytes;
+    }
+  }
+  r.stats = model.stats();
+  r.fragmentation = r.peak_reserved_bytes > 0
+      ? 1.0 - static_cast<double>(r.peak_allocated_bytes) / static_cast<double>(r.peak_reserved_bytes)
+      : 0.0;
+  return r;
+}
+
+} // namespace trainmem

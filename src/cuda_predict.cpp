@@ -1,0 +1,582 @@
+#include "trainmem/cuda_predict.h"
+
+#include <algorithm>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include "detail/intercept.h"
+#include "trainmem/meta.h"
+#include "trainmem/planner.h"
+#include "trainmem/report.h"
+#include "trainmem/transformer.h"
+
+namespace trainmem {
+
+namespace {
+
+enum class Kind : uint8_t { kTensor, kWorkspace, kKernelTemporary, kResident, kParameter };
+
+struct TraceEvent {
+  int64_t bytes = 0;  // + requested bytes allocated, - freed
+  uint64_t id = 0;
+  Kind kind = Kind::kTensor;
+};
+
+// Note [Tracing meta allocations]
+// The meta allocator is a process-wide slot (c10::SetAllocator). While a
+// trace records, ours sits in it at priority 1 and wraps the one that was
+// there (the planner's counting meta allocator, or LibTorch's stub), so both
+// see every storage; when recording stops the wrapped one is put back, and
+// storages made meanwhile keep our deleter (it forwards to theirs). The
+// wrapper is never destroyed. One trace at a time (a process-wide mutex).
+class TraceAllocator final : public c10::Allocator {
+ public:
+  struct Context {
+    c10::DataPtr inner;
+    uint64_t id;
+    int64_t bytes;
+    uint64_t generation;
+  };
+
+  static TraceAllocator& get() {
+    static auto* a = new TraceAllocator();
+    return *a;
+  }
+
+  void start(std::vector<TraceEvent>* sink) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inner_ = c10::GetAllocator(c10::DeviceType::Meta);
+    sink_ = sink;
+    generation_ += 1;
+    c10::SetAllocator(c10::DeviceType::Meta, this, /*priority=*/1);
+  }
+  void stop() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    c10::SetAllocator(c10::DeviceType::Meta, inner_, /*priority=*/1);
+    sink_ = nullptr;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = inner_ != nullptr ? inner_->allocate(n) : c10::DataPtr(nullptr, c10::Device(c10::kMeta));
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (sink_ == nullptr) {
+      return inner;
+    }
+    auto* ctx = new Context{std::move(inner), next_id_++, static_cast<int64_t>(n), generation_};
+    sink_->push_back({ctx->bytes, ctx->id, Kind::kTensor});
+    return {nullptr, ctx, &free_context, c10::Device(c10::kMeta)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {}
+
+  // A synthetic allocation (workspace, kernel temporary) in the trace.
+  uint64_t add(int64_t bytes, Kind kind) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const uint64_t id = next_id_++;
+    if (sink_ != nullptr) {
+      sink_->push_back({bytes, id, kind});
+    }
+    return id;
+  }
+  void remove(uint64_t id, int64_t bytes, Kind kind) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (sink_ != nullptr) {
+      sink_->push_back({-bytes, id, kind});
+    }
+  }
+
+  // The trace id of a storage allocated while recording, or 0.
+  static uint64_t id_of(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) {
+      return 0;
+    }
+    const auto& dp = t.storage().data_ptr();
+    if (dp.get_deleter() != &free_context) {
+      return 0;
+    }
+    return static_cast<const Context*>(dp.get_context())->id;
+  }
+
+ private:
+  TraceAllocator() = default;
+  static void free_context(void* p) {
+    auto* ctx = static_cast<Context*>(p);
+    auto& self = get();
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      if (self.sink_ != nullptr && ctx->generation == self.generation_) {
+        self.sink_->push_back({-ctx->bytes, ctx->id, Kind::kTensor});
+      }
+    }
+    delete ctx;  // the inner DataPtr frees through its own deleter
+  }
+
+  std::mutex mutex_;
+  c10::Allocator* inner_ = nullptr;
+  std::vector<TraceEvent>* sink_ = nullptr;
+  uint64_t next_id_ = 1;
+  uint64_t generation_ = 0;
+};
+
+bool is_matrix_operand_ok(int64_t rows, int64_t cols, int64_t s_rows, int64_t s_cols) {
+  // prepare_matrix_for_cublas: column-major with ld >= rows, or row-major with ld >= cols.
+  return (s_rows == 1 && s_cols >= std::max<int64_t>(1, rows)) ||
+      (s_cols == 1 && s_rows >= std::max<int64_t>(1, cols));
+}
+
+} // namespace
+
+int64_t cublas_operand_copy_bytes(const at::Tensor& t) {
+  if (!t.defined() || (t.dim() != 2 && t.dim() != 3)) {
+    return 0;
+  }
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  if (t.dim() == 2) {
+    if (t.is_non_overlapping_and_dense()) {
+      return 0;
+    }
+    return is_matrix_operand_ok(t.size(0), t.size(1), t.stride(0), t.stride(1)) ? 0 : bytes;
+  }
+  // prepare_batch_matrix_for_cublas: the last two dims as above, batch
+  // strides non-zero, else a contiguous clone.
+  if (is_matrix_operand_ok(t.size(1), t.size(2), t.stride(1), t.stride(2)) && t.stride(0) != 0) {
+    return 0;
+  }
+  return t.is_contiguous() && t.stride(1) != 0 && t.stride(2) != 0 ? 0 : bytes;
+}
+
+namespace {
+
+// Note [CUDA kernels on meta]
+// Below autograd (the one interception key, Note [One interception key]) this
+// handler sees each op of a predicted step and adds what the CUDA kernel
+// would allocate beyond its outputs:
+// - matmuls (mm, addmm, bmm, baddbmm): a contiguous clone of each operand
+//   cuBLAS cannot read in place (cublas_operand_copy_bytes), freed when the
+//   op returns; the first matmul of a thread makes that thread's cuBLAS
+//   workspace, and an addmm LibTorch sends to cuBLASLt (1-d bias, beta 1,
+//   all dims > 1, a floating type) its cuBLASLt workspace too. The thread is
+//   the main one in forward and the engine's device thread in backward.
+// - CPU flash attention on meta: CUDA runs memory-efficient attention for
+//   fp32 (log-sum-exp (B, H, L rounded up to 32)) and flash attention for
+//   fp16/bf16 (log-sum-exp (B, H, L); q, k, v and the output padded to a head
+//   dim that is a multiple of 8); the philox seed and offset are CPU tensors
+//   in eager mode (no device bytes).
+class CudaKernelModel final : public detail::InterceptHandler {
+ public:
+  CudaKernelModel(const CudaPredictOptions& o, CudaWorkspaces ws) : options_(o), ws_(ws) {}
+
+  void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+              torch::jit::Stack* stack) override {
+    const auto& schema = op.schema();
+    if (!schema.overload_name().empty()) {
+      scope.call_next(op, ks, stack);
+      return;
+    }
+    const std::string& name = schema.name();
+    const size_t n = schema.arguments().size();
+    auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[stack->size() - n + i]; };
+    std::vector<int64_t> copies;
+    bool lt = false;
+    bool matmul = false;
+    if (name == "aten::mm" || name == "aten::bmm") {
+      matmul = true;
+      copies = {cublas_operand_copy_bytes(arg(0).toTensor()), cublas_operand_copy_bytes(arg(1).toTensor())};
+    } else if (name == "aten::addmm" || name == "aten::baddbmm") {
+      matmul = true;
+      const auto& self = arg(0).toTensor();
+      const auto& m1 = arg(1).toTensor();
+      const auto& m2 = arg(2).toTensor();
+      copies = {cublas_operand_copy_bytes(m1), cublas_operand_copy_bytes(m2)};
+      if (name == "aten::addmm") {
+        const auto beta = arg(3).toScalar();
+        const auto st = m1.scalar_type();
+        lt = beta.toDouble() == 1.0 && self.dim() == 1 && self.size(0) == m2.size(1) && self.is_contiguous() &&
+            m1.size(0) > 1 && m1.size(1) > 1 && m2.size(0) > 1 && m2.size(1) > 1 &&
+            (st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16);
+      }
+    } else if (name == "aten::_scaled_dot_product_flash_attention_for_cpu") {
+      flash_attention(scope, op, ks, stack, n);
+      return;
+    }
+    scope.call_next(op, ks, stack);
+    if (!matmul) {
+      return;
+    }
+    auto& trace = TraceAllocator::get();
+    std::vector<std::pair<uint64_t, int64_t>> temps;
+    for (int64_t bytes : copies) {
+      if (bytes > 0) {
+        temps.emplace_back(trace.add(bytes, Kind::kKernelTemporary), bytes);
+      }
+    }
+    const bool backward = torch::autograd::get_current_graph_task_id() != -1;
+    bool& cublas = backward ? ws_.cublas_backward : ws_.cublas_forward;
+    bool& cublaslt = backward ? ws_.cublaslt_backward : ws_.cublaslt_forward;
+    if (!cublas) {  // cuBLASLt's handle is the thread's cuBLAS handle: both set up
+      cublas = true;
+      trace.add(options_.cublas_workspace_bytes(), Kind::kWorkspace);
+    }
+    if (lt && !cublaslt) {
+      cublaslt = true;
+      if (options_.cublaslt_workspace_bytes() > 0) {
+        trace.add(options_.cublaslt_workspace_bytes(), Kind::kWorkspace);
+      }
+    }
+    for (auto& [id, bytes] : temps) {
+      trace.remove(id, bytes, Kind::kKernelTemporary);
+    }
+  }
+
+  const CudaWorkspaces& workspaces() const { return ws_; }
+
+ private:
+  void flash_attention(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                       torch::jit::Stack* stack, size_t n) {
+    const at::Tensor q = (*stack)[stack->size() - n].toTensor();
+    const auto st = q.scalar_type();
+    const bool flash = st == at::kHalf || st == at::kBFloat16;
+    const int64_t hd = q.size(3);
+    std::vector<std::pair<uint64_t, int64_t>> pads;
+    auto& trace = TraceAllocator::get();
+    if (flash && hd % 8 != 0) {
+      // q, k, v padded to a multiple of 8 (alive while the kernel runs).
+      const int64_t padded = q.numel() / hd * (hd + 8 - hd % 8) * static_cast<int64_t>(q.element_size());
+      for (int i = 0; i < 3; ++i) {
+        pads.emplace_back(trace.add(padded, Kind::kKernelTemporary), padded);
+      }
+    }
+    scope.call_next(op, ks, stack);
+    // Outputs: (out (B, H, L, D) as a (B, L, H, D) buffer, logsumexp).
+    at::Tensor out = (*stack)[stack->size() - 2].toTensor();
+    const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+    at::Tensor lse = flash
+        ? at::empty({B, H, L}, q.options().dtype(at::kFloat))
+        : at::empty({B, H, (L + 31) / 32 * 32}, q.options().dtype(at::kFloat)).narrow(2, 0, L);
+    if (flash && hd % 8 != 0) {
+      out = at::empty({B, L, H, hd + 8 - hd % 8}, q.options()).narrow(3, 0, hd).transpose(1, 2);
+    }
+    stack->pop_back();
+    stack->pop_back();
+    stack->emplace_back(std::move(out));
+    stack->emplace_back(std::move(lse));
+    for (auto& [id, bytes] : pads) {
+      trace.remove(id, bytes, Kind::kKernelTemporary);
+    }
+  }
+
+  CudaPredictOptions options_;
+  CudaWorkspaces ws_;
+};
+
+std::mutex& cuda_prediction_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+void storages_of(const torch::nn::Module& module, std::vector<at::Tensor>& out) {
+  std::unordered_set<const c10::StorageImpl*> seen;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && t.has_storage() && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
+      out.push_back(t);
+    }
+  };
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    add(p);
+  }
+  for (const auto& b : module.buffers(/*recurse=*/true)) {
+    add(b);
+  }
+}
+
+int64_t nbytes(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+struct StepMarks {
+  size_t begin = 0;          // first event of the step
+  size_t backward = 0;       // first event of backward
+  size_t optimizer = 0;      // first event after backward
+  size_t end = 0;            // one past the step's last event
+};
+
+} // namespace
+
+CudaStepPrediction predict_cuda_step_peak(
+    torch::nn::Module& module,
+    const std::function<at::Tensor()>& loss_fn,
+    torch::optim::Optimizer* optimizer,
+    const CudaPredictOptions& options) {
+  TORCH_CHECK(static_cast<bool>(loss_fn), "predict_cuda_step_peak: the loss function is empty");
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(p.value().is_meta(), "predict_cuda_step_peak: parameter '", p.key(), "' is on ",
+                p.value().device(), ", not on the meta device; move the module with trainmem::to_meta() first");
+  }
+  for (const auto& t : options.resident()) {
+    TORCH_CHECK(t.defined() && t.is_meta(), "predict_cuda_step_peak: resident tensors must be meta tensors, but got ",
+                t.defined() ? t.device().str() : std::string("an undefined tensor"));
+  }
+  TORCH_CHECK(options.cublas_workspace_bytes() >= 0 && options.cublaslt_workspace_bytes() >= 0,
+              "predict_cuda_step_peak: workspace sizes must be >= 0, but got ", options.cublas_workspace_bytes(),
+              " and ", options.cublaslt_workspace_bytes());
+  enable_cpu_meta_kernels();
+  detail::register_intercept_fallback();
+  std::lock_guard<std::mutex> lock(cuda_prediction_mutex());
+
+  // Reset gradients first, so the trace owns every gradient the steps make.
+  for (auto& p : module.parameters()) {
+    p.mutable_grad().reset();
+  }
+  if (optimizer != nullptr) {
+    optimizer->zero_grad();
+  }
+
+  std::vector<TraceEvent> events;
+  CudaKernelModel kernels(options, options.workspaces());
+  std::vector<StepMarks> marks;
+  auto& trace = TraceAllocator::get();
+  trace.start(&events);
+  try {
+    detail::InterceptScope scope(kernels);
+    for (int step = 0; step < (optimizer != nullptr ? 2 : 1); ++step) {
+      StepMarks m;
+      for (auto& p : module.parameters()) {
+        p.mutable_grad().reset();  // zero_grad(set_to_none=True)
+      }
+      m.begin = events.size();
+      at::Tensor loss = loss_fn();
+      TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.is_meta(),
+                  "predict_cuda_step_peak: loss_fn must return a scalar meta tensor, but got ",
+                  loss.defined() ? loss.sizes() : at::IntArrayRef{});
+      m.backward = events.size();
+      loss.backward();
+      loss = at::Tensor();
+      m.optimizer = events.size();
+      if (optimizer != nullptr) {
+        optimizer->step();
+      }
+      m.end = events.size();
+      marks.push_back(m);
+    }
+  } catch (...) {
+    trace.stop();
+    throw;
+  }
+  // Gradients alive after the step: which trace ids they are.
+  std::unordered_set<uint64_t> grad_ids;
+  for (const auto& p : module.parameters()) {
+    if (const uint64_t id = TraceAllocator::id_of(p.grad())) {
+      grad_ids.insert(id);
+    }
+  }
+  trace.stop();
+
+  // The device before the step: resident tensors, then the module's storages,
+  // then the workspaces that already exist.
+  CudaCachingAllocatorModel model(options.allocator());
+  std::vector<TraceEvent> before;
+  uint64_t synthetic = 1ULL << 62;
+  for (const auto& t : options.resident()) {
+    before.push_back({nbytes(t), synthetic++, Kind::kResident});
+  }
+  std::vector<at::Tensor> storages;
+  storages_of(module, storages);
+  for (const auto& t : storages) {
+    before.push_back({nbytes(t), synthetic++, Kind::kParameter});
+  }
+  const auto& w = options.workspaces();
+  for (bool made : {w.cublas_forward, w.cublas_backward}) {
+    if (made) {
+      before.push_back({options.cublas_workspace_bytes(), synthetic++, Kind::kWorkspace});
+    }
+  }
+  for (bool made : {w.cublaslt_forward, w.cublaslt_backward}) {
+    if (made && options.cublaslt_workspace_bytes() > 0) {
+      before.push_back({options.cublaslt_workspace_bytes(), synthetic++, Kind::kWorkspace});
+    }
+  }
+
+  // Replay, tracking what each live block is.
+  struct Live {
+    uint64_t address;
+    int64_t requested;
+    int64_t block;
+    Kind kind;
+  };
+  std::unordered_map<uint64_t, Live> live;
+  auto apply = [&](const TraceEvent& e) {
+    if (e.bytes > 0) {
+      const uint64_t a = model.malloc(e.bytes);
+      if (a != 0) {
+        live[e.id] = {a, e.bytes, model.round_size(e.bytes), e.kind};
+      }
+    } else if (e.bytes < 0) {
+      auto it = live.find(e.id);
+      if (it != live.end()) {
+        model.free(it->second.address);
+        live.erase(it);
+      }
+    }
+  };
+  for (const auto& e : before) {
+    apply(e);
+  }
+  const StepMarks& m = marks.back();
+  for (size_t i = 0; i < m.begin; ++i) {  // the warm-up step
+    apply(events[i]);
+  }
+  model.reset_peak();
+  CudaStepPrediction r;
+  r.start_allocated_bytes = model.stats().allocated_bytes;
+  int64_t peak = model.stats().allocated_bytes;
+  size_t peak_index = m.begin;
+  std::unordered_map<uint64_t, Live> live_at_peak = live;
+  for (size_t i = m.begin; i < m.end; ++i) {
+    apply(events[i]);
+    if (model.stats().allocated_bytes > peak) {
+      peak = model.stats().allocated_bytes;
+      peak_index = i;
+      live_at_peak = live;
+    }
+  }
+  const auto s = model.stats();
+  r.max_memory_allocated_bytes = s.peak_allocated_bytes;
+  r.max_memory_reserved_bytes = s.peak_reserved_bytes;
+  r.peak_inactive_split_bytes = s.peak_inactive_split_bytes;
+  r.fragmentation = s.peak_reserved_bytes > 0
+      ? 1.0 - static_cast<double>(s.peak_allocated_bytes) / static_cast<double>(s.peak_reserved_bytes)
+      : 0.0;
+  r.phase = peak_index < m.backward ? Phase::kForward
+      : peak_index < m.optimizer    ? Phase::kBackward
+                                    : Phase::kOptimizerStep;
+  if (peak_index == m.begin && peak == r.start_allocated_bytes) {
+    r.phase = Phase::kForward;
+  }
+  r.num_events = static_cast<int64_t>(m.end - m.begin);
+  r.workspaces = kernels.workspaces();
+  r.segments = model.segments();
+
+  // Terms at the peak. Optimizer state: blocks of the warm-up step still live
+  // at the end (with an optimizer; else none).
+  std::unordered_set<uint64_t> warm;
+  for (size_t i = 0; i < m.begin; ++i) {
+    if (events[i].bytes > 0) {
+      warm.insert(events[i].id);
+    }
+  }
+  for (const auto& [id, l] : live_at_peak) {
+    auto& t = r.terms;
+    t.rounding_bytes += l.block - l.requested;
+    switch (l.kind) {
+      case Kind::kResident: t.resident_bytes += l.requested; break;
+      case Kind::kParameter: t.param_bytes += l.requested; break;
+      case Kind::kWorkspace: t.workspace_bytes += l.requested; break;
+      case Kind::kKernelTemporary: t.kernel_temporary_bytes += l.requested; break;
+      case Kind::kTensor:
+        if (grad_ids.count(id) != 0) {
+          t.grad_bytes += l.requested;
+        } else if (warm.count(id) != 0) {
+          t.optimizer_state_bytes += l.requested;
+        } else {
+          t.step_bytes += l.requested;
+        }
+        break;
+    }
+  }
+  return r;
+}
+
+std::string to_string(const CudaStepPrediction& p) {
+  std::ostringstream os;
+  const auto& t = p.terms;
+  os << fmt::format("predicted CUDA max_memory_allocated {:>16} B in the {}\n",
+                    with_commas(p.max_memory_allocated_bytes), phase_name(p.phase));
+  os << fmt::format("predicted CUDA max_memory_reserved  {:>16} B (fragmentation {:.1f} %)\n",
+                    with_commas(p.max_memory_reserved_bytes), 100.0 * p.fragmentation);
+  auto line = [&](const char* what, int64_t bytes) {
+    if (bytes != 0) {
+      os << fmt::format("  {:<32} {:>16} B\n", what, with_commas(bytes));
+    }
+  };
+  line("resident tensors", t.resident_bytes);
+  line("parameters and buffers", t.param_bytes);
+  line("optimizer state", t.optimizer_state_bytes);
+  line("cuBLAS / cuBLASLt workspaces", t.workspace_bytes);
+  line("gradients written", t.grad_bytes);
+  line("step tensors (activations, temps)", t.step_bytes);
+  line("CUDA kernel temporaries", t.kernel_temporary_bytes);
+  line("allocator rounding (512 B blocks)", t.rounding_bytes);
+  return os.str();
+}
+
+CudaStepPrediction predict_cuda_transformer_step(
+    const TransformerOptions& model,
+    const BlockCheckpointing& checkpointing,
+    bool adamw,
+    const CudaPredictOptions& options) {
+  Transformer meta{nullptr};
+  {
+    MetaInitGuard guard;
+    meta = Transformer(model);
+  }
+  std::unique_ptr<torch::optim::AdamW> opt;
+  if (adamw) {
+    opt = std::make_unique<torch::optim::AdamW>(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  }
+  return predict_cuda_step_peak(
+      *meta,
+      [&] {
+        return meta->forward(at::empty({model.batch(), model.seq_len(), model.d_model()}, at::kMeta), checkpointing)
+            .pow(2)
+            .mean();
+      },
+      opt.get(), options);
+}
+
+const char* to_string(CudaBudgetKind kind) {
+  return kind == CudaBudgetKind::kAllocated ? "allocated" : "reserved";
+}
+
+CudaCheckpointPlan plan_checkpointing_cuda(
+    const TransformerOptions& model,
+    const PlanOptions& options,
+    CudaBudgetKind kind,
+    const CudaPredictOptions& cuda) {
+  TORCH_CHECK(options.budget_bytes() > 0, "plan_checkpointing_cuda: expected a budget > 0, but got ",
+              options.budget_bytes());
+  CudaCheckpointPlan r;
+  r.kind = kind;
+  r.budget_bytes = options.budget_bytes();
+  int64_t b = options.budget_bytes();
+  for (int round = 0; round < 8 && b > 0; ++round) {
+    r.num_rounds = round + 1;
+    r.planner_budget_bytes = b;
+    r.plan = plan_checkpointing(model, PlanOptions(options).budget_bytes(b));
+    r.cuda = predict_cuda_transformer_step(model, r.plan.checkpointing(), options.adamw(), cuda);
+    const int64_t peak = kind == CudaBudgetKind::kAllocated ? r.cuda.max_memory_allocated_bytes
+                                                            : r.cuda.max_memory_reserved_bytes;
+    if (r.plan.feasible && peak <= r.budget_bytes) {
+      r.feasible = true;
+      return r;
+    }
+    if (!r.plan.feasible) {
+      break;  // nothing smaller exists on the CPU either
+    }
+    b -= peak - r.budget_bytes;
+  }
+  return r;
+}
+
+} // namespace trainmem

@@ -1,0 +1,64 @@
+#pragma once
+// Per-audit recording of the counting CPU allocator (never installed). See
+// docs/design.md, Note [Allocations belong to a recorder].
+//
+// A recorder owns the allocations made on the threads it is attached to
+// (thread-local), and every free of those blocks, from whatever thread it
+// comes: each block's header carries the tag of the recorder that was
+// attached when it was made. Two audits on two threads therefore see only
+// their own bytes. A recorder keeps its own live bytes, one peak window and
+// a capped event log.
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <c10/core/Storage.h>
+
+#include "trainmem/allocator.h"
+
+namespace trainmem::detail {
+
+class AllocRecorder {
+ public:
+  // Takes one of the process's recorder slots (64). Throws c10::Error when
+  // all are taken. `max_events` caps the events held before take_events().
+  explicit AllocRecorder(int64_t max_events);
+  // Releases the slot; blocks still tagged with it are ignored from then on.
+  // Safe from any thread.
+  ~AllocRecorder();
+  AllocRecorder(const AllocRecorder&) = delete;
+  AllocRecorder& operator=(const AllocRecorder&) = delete;
+
+  // Allocations made on the calling thread from now on belong to this
+  // recorder (until another recorder attaches there, or this one ends).
+  void attach_this_thread();
+
+  // Logs events from now on (frees of its blocks always update live bytes).
+  void set_logging(bool on);
+  // The events logged so far, oldest first; clears the log. The events'
+  // allocated_bytes are this recorder's live bytes.
+  std::vector<CpuMemoryEvent> take_events();
+  // Events not logged because the log was full, since the last take_events().
+  int64_t take_num_dropped();
+  // Changes the cap of the log.
+  void set_max_events(int64_t max_events);
+
+  // Bytes of live blocks that belong to this recorder.
+  int64_t live_bytes() const;
+  // Starts the peak window at the live bytes now; window_peak() is the
+  // highest live bytes since.
+  void open_window();
+  int64_t window_peak() const;
+
+  // Makes the block under `storage` this recorder's (if the counting
+  // allocator made it and it is not already its). Its bytes join the live
+  // bytes; returns them (0 when nothing changed). `alloc_ns` receives the
+  // block's allocation time (tracker clock). No event is logged.
+  int64_t adopt(const c10::Storage& storage, int64_t* alloc_ns = nullptr);
+
+ private:
+  int slot_;
+  uint64_t tag_;
+};
+
+} // namespace trainmem::detail

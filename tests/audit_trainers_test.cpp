@@ -1,0 +1,752 @@
+// Audits of real training loops (issue 12): the PyTorch C++ examples' models
+// on synthetic data, several modules and optimizers, TorchScript, offload,
+// optimizer-in-backward, threads and long runs. Saved bytes are checked
+// against PyTorch's own saved_tensors_hooks (tests/oracle/saved_bytes.py, run
+// with the project's .venv Python) where the model exists in Python.
+
+#include "trainmem/audit.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <set>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/jit/serialization/import.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/dropout.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/functional/pooling.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/utils.h>
+
+#include "trainmem/allocator.h"
+#include "trainmem/hooks.h"
+#include "trainmem/meter.h"
+#include "trainmem/offload.h"
+#include "trainmem/optimizer_in_backward.h"
+#include "trainmem/report.h"
+
+namespace {
+
+namespace F = torch::nn::functional;
+using trainmem::Category;
+using trainmem::Phase;
+
+// ---- the Python oracle -------------------------------------------------------
+
+bool have_python() {
+#ifdef TRAINMEM_PYTHON
+  return std::ifstream(TRAINMEM_PYTHON).good();
+#else
+  return false;
+#endif
+}
+
+nlohmann::json oracle(const std::string& args) {
+#ifdef TRAINMEM_PYTHON
+  const std::string cmd = std::string(TRAINMEM_PYTHON) + " " + TRAINMEM_ORACLE + " " + args + " 2>/dev/null";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  EXPECT_NE(pipe, nullptr) << cmd;
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (pipe != nullptr && fgets(buf.data(), buf.size(), pipe) != nullptr) {
+    out += buf.data();
+  }
+  const int rc = pipe != nullptr ? pclose(pipe) : -1;
+  EXPECT_EQ(rc, 0) << cmd << "\n" << out;
+  return nlohmann::json::parse(out);
+#else
+  (void)args;
+  return {};
+#endif
+}
+
+std::vector<int64_t> saved_per_step(const trainmem::AuditReport& r) {
+  std::vector<int64_t> v;
+  for (const auto& s : r.steps) {
+    v.push_back(s.saved_activation_bytes);
+  }
+  return v;
+}
+
+std::vector<std::string> phase_labels(const trainmem::AuditReport& r, int64_t step) {
+  std::vector<std::string> v;
+  for (const auto& p : r.phases) {
+    if (p.step == step) {
+      v.push_back(trainmem::span_label(p));
+    }
+  }
+  return v;
+}
+
+int64_t at_cat(const trainmem::TimelinePoint& p, Category c) {
+  return p.bytes[static_cast<int>(c)];
+}
+
+int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
+  std::set<const void*> seen;
+  int64_t sum = 0;
+  for (const auto& t : tensors) {
+    if (t.defined() && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
+      sum += static_cast<int64_t>(t.storage().nbytes());
+    }
+  }
+  return sum;
+}
+
+// ---- the PyTorch C++ examples' models ----------------------------------------
+
+// pytorch/examples cpp/mnist.
+struct MnistNet : torch::nn::Module {
+  MnistNet()
+      : conv1(torch::nn::Conv2dOptions(1, 10, 5)), conv2(torch::nn::Conv2dOptions(10, 20, 5)), fc1(320, 50),
+        fc2(50, 10) {
+    register_module("conv1", conv1);
+    register_module("conv2", conv2);
+    register_module("conv2_drop", conv2_drop);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(F::max_pool2d(conv1->forward(x), F::MaxPool2dFuncOptions(2)));
+    x = torch::relu(F::max_pool2d(conv2_drop->forward(conv2->forward(x)), F::MaxPool2dFuncOptions(2)));
+    x = x.view({-1, 320});
+    x = torch::relu(fc1->forward(x));
+    x = F::dropout(x, F::DropoutFuncOptions().p(0.5).training(is_training()));
+    x = fc2->forward(x);
+    return torch::log_softmax(x, /*dim=*/1);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Dropout2d conv2_drop;
+  torch::nn::Linear fc1, fc2;
+};
+
+// pytorch/examples cpp/dcgan.
+struct DCGANGeneratorImpl : torch::nn::Module {
+  explicit DCGANGeneratorImpl(int64_t noise)
+      : conv1(torch::nn::ConvTranspose2dOptions(noise, 256, 4).bias(false)), batch_norm1(256),
+        conv2(torch::nn::ConvTranspose2dOptions(256, 128, 3).stride(2).padding(1).bias(false)), batch_norm2(128),
+        conv3(torch::nn::ConvTranspose2dOptions(128, 64, 4).stride(2).padding(1).bias(false)), batch_norm3(64),
+        conv4(torch::nn::ConvTranspose2dOptions(64, 1, 4).stride(2).padding(1).bias(false)) {
+    register_module("conv1", conv1);
+    register_module("conv2", conv2);
+    register_module("conv3", conv3);
+    register_module("conv4", conv4);
+    register_module("batch_norm1", batch_norm1);
+    register_module("batch_norm2", batch_norm2);
+    register_module("batch_norm3", batch_norm3);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(batch_norm1(conv1(x)));
+    x = torch::relu(batch_norm2(conv2(x)));
+    x = torch::relu(batch_norm3(conv3(x)));
+    return torch::tanh(conv4(x));
+  }
+  torch::nn::ConvTranspose2d conv1;
+  torch::nn::BatchNorm2d batch_norm1;
+  torch::nn::ConvTranspose2d conv2;
+  torch::nn::BatchNorm2d batch_norm2;
+  torch::nn::ConvTranspose2d conv3;
+  torch::nn::BatchNorm2d batch_norm3;
+  torch::nn::ConvTranspose2d conv4;
+};
+TORCH_MODULE(DCGANGenerator);
+
+torch::nn::Sequential dcgan_discriminator() {
+  using namespace torch::nn;
+  return Sequential(Conv2d(Conv2dOptions(1, 64, 4).stride(2).padding(1).bias(false)),
+                    LeakyReLU(LeakyReLUOptions().negative_slope(0.2)),
+                    Conv2d(Conv2dOptions(64, 128, 4).stride(2).padding(1).bias(false)), BatchNorm2d(128),
+                    LeakyReLU(LeakyReLUOptions().negative_slope(0.2)),
+                    Conv2d(Conv2dOptions(128, 256, 4).stride(2).padding(1).bias(false)), BatchNorm2d(256),
+                    LeakyReLU(LeakyReLUOptions().negative_slope(0.2)),
+                    Conv2d(Conv2dOptions(256, 1, 3).stride(1).padding(0).bias(false)), Sigmoid());
+}
+
+torch::nn::Sequential seed_mlp() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::GELU(), torch::nn::Linear(256, 32));
+}
+constexpr int64_t kMlpParamBytes = 4 * (32 * 256 + 256 + 256 * 32 + 32);  // 66,688
+constexpr int64_t kMlpSavedBytes = 4 * (16 * 32 + 2 * 16 * 256 + 16 * 32); // 36,864, seed fence 3
+
+// ---- tests ---------------------------------------------------------------------
+
+TEST(AuditTrainersTest, MnistExampleMatchesPythonEveryStep) {
+  trainmem::CpuMemoryTracker::install();
+  constexpr int kSteps = 3;
+  torch::manual_seed(0);
+  MnistNet model;
+  torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.01).momentum(0.5));
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  trainmem::Audit audit(model, &opt, torch::kCPU, trainmem::AuditOptions().title("mnist"));
+  std::vector<int64_t> process_peaks;
+  for (int i = 0; i < kSteps; ++i) {
+    auto data = torch::randn({64, 1, 28, 28});
+    auto target = torch::randint(0, 10, {64});
+    std::optional<trainmem::PeakWindow> window;
+    {
+      auto step = audit.step();
+      window.emplace(tracker);  // the whole process's peak, beside the audit's own
+      audit.mark_input(data);
+      audit.mark_input(target);
+      opt.zero_grad();
+      auto loss = torch::nll_loss(model.forward(data), target);
+      (void)loss.item<float>();
+      loss.backward();
+      opt.step();
+    }
+    process_peaks.push_back(window->peak_bytes());
+  }
+  const auto r = audit.report();
+  // One thread allocates here: the audit's per-thread peak is the process's
+  // (intra-op worker threads included, were they to allocate).
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_EQ(r.steps[i].peak_bytes, process_peaks[i]) << "step " << i;
+  }
+  const int64_t params = storage_bytes(model.parameters());
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_EQ(phase_labels(r, i), (std::vector<std::string>{"forward", "backward", "optimizer step (SGD)"}))
+        << "step " << i;
+  }
+  const auto all = trainmem::live_bytes(audit.timeline());
+  EXPECT_EQ(at_cat(all.back(), Category::kParameter), params);
+  EXPECT_EQ(at_cat(all.back(), Category::kGradient), params);
+  EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), params);  // momentum buffers
+  EXPECT_EQ(at_cat(all.back(), Category::kActivation), 0);
+  if (!have_python()) {
+    GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
+  }
+  const auto py = oracle("mnist " + std::to_string(kSteps));
+  EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
+  EXPECT_EQ(params, py.at("param_bytes").get<int64_t>());
+  EXPECT_EQ(r.buckets[2].bytes, py.at("state_bytes").get<int64_t>());
+}
+
+TEST(AuditTrainersTest, DcganHasAPhasePerOptimizerAndItsAdamStateIsOptimizerState) {
+  trainmem::CpuMemoryTracker::install();
+  constexpr int kSteps = 2, kNoise = 100, kBatch = 64;
+  torch::manual_seed(0);
+  DCGANGenerator generator(kNoise);
+  auto discriminator = dcgan_discriminator();
+  torch::optim::Adam g_opt(generator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.5}));
+  torch::optim::Adam d_opt(discriminator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.5}));
+  trainmem::Audit audit(generator);  // a module holder
+  audit.add_module(discriminator);
+  audit.add_optimizer(d_opt, "D");
+  audit.add_optimizer(g_opt, "G");
+  for (int i = 0; i < kSteps; ++i) {
+    auto real_images = torch::randn({kBatch, 1, 28, 28});
+    auto step = audit.step();
+    audit.mark_input(real_images);
+    discriminator->zero_grad();
+    auto real_labels = torch::empty(kBatch).uniform_(0.8, 1.0);
+    auto real_output = discriminator->forward(real_images).reshape(real_labels.sizes());
+    auto d_loss_real = torch::binary_cross_entropy(real_output, real_labels);
+    d_loss_real.backward();
+    auto noise = torch::randn({kBatch, kNoise, 1, 1});
+    auto fake_images = generator->forward(noise);
+    auto fake_labels = torch::zeros(kBatch);
+    auto fake_output = discriminator->forward(fake_images.detach()).reshape(fake_labels.sizes());
+    auto d_loss_fake = torch::binary_cross_entropy(fake_output, fake_labels);
+    d_loss_fake.backward();
+    auto d_loss = d_loss_real + d_loss_fake;
+    d_opt.step();
+    generator->zero_grad();
+    fake_labels.fill_(1);
+    fake_output = discriminator->forward(fake_images).reshape(fake_labels.sizes());
+    auto g_loss = torch::binary_cross_entropy(fake_output, fake_labels);
+    g_loss.backward();
+    g_opt.step();
+  }
+  const auto r = audit.report();
+  // Three backward passes and two optimizers a step; `d_loss = real + fake`
+  // builds graph after the second backward, so it is forward.
+  const std::vector<std::string> expected = {"forward", "backward", "forward", "backward", "forward",
+                                             "optimizer step (D)", "forward", "backward", "optimizer step (G)"};
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_EQ(phase_labels(r, i), expected) << "step " << i;
+  }
+  const int64_t g_params = storage_bytes(generator->parameters());
+  const int64_t d_params = storage_bytes(discriminator->parameters());
+  const auto all = trainmem::live_bytes(audit.timeline());
+  EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), 2 * (g_params + d_params));  // exp_avg, exp_avg_sq
+  EXPECT_EQ(at_cat(all.back(), Category::kGradient), g_params + d_params);
+  EXPECT_EQ(at_cat(all.back(), Category::kActivation), 0);
+  for (const auto& p : all) {
+    for (auto b : p.bytes) {
+      ASSERT_GE(b, 0) << "a category went negative at " << p.time_ns;
+    }
+  }
+  int64_t state = 0;
+  for (const auto& b : r.buckets) {
+    state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  }
+  EXPECT_EQ(state, 2 * (g_params + d_params));
+  if (!have_python()) {
+    GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
+  }
+  const auto py = oracle("dcgan " + std::to_string(kSteps));
+  EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
+  EXPECT_EQ(g_params, py.at("g_param_bytes").get<int64_t>());
+  EXPECT_EQ(d_params, py.at("d_param_bytes").get<int64_t>());
+  EXPECT_EQ(state, py.at("state_bytes").get<int64_t>());
+}
+
+TEST(AuditTrainersTest, AnOptimizerIsCheckedWhenAdded) {
+  trainmem::CpuMemoryTracker::install();
+  DCGANGenerator generator(100);
+  auto discriminator = dcgan_discriminator();
+  torch::optim::Adam d_opt(discriminator->parameters(), torch::optim::AdamOptions(2e-4));
+  trainmem::Audit audit(generator);
+  try {
+    audit.add_optimizer(d_opt);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    const auto n = std::to_string(discriminator->parameters().size());  // 4 convs, 2 batch norms: 8
+    EXPECT_NE(msg.find("Audit::add_optimizer: " + n + " of the optimizer's " + n +
+                       " parameters are not parameters of an audited module"),
+              std::string::npos)
+        << msg;
+  }
+  audit.add_module(discriminator);
+  audit.add_optimizer(d_opt);
+  EXPECT_THROW(audit.add_optimizer(d_opt), c10::Error);  // twice
+  audit.begin_step();
+  EXPECT_THROW(audit.add_module(*discriminator), c10::Error);  // inside a step
+  audit.end_step();
+}
+
+TEST(AuditTrainersTest, ScriptedTrunkAndCppHeadMatchPythonEveryStep) {
+  if (!have_python()) {
+    GTEST_SKIP() << "the scripted trunk is made by .venv's Python (torch.jit.script(...).save())";
+  }
+  trainmem::CpuMemoryTracker::install();
+  constexpr int kSteps = 5;
+  const std::string path = ::testing::TempDir() + "trainmem_trunk.pt";
+  const auto py = oracle("trunk " + std::to_string(kSteps) + " " + path);
+  auto trunk = torch::jit::load(path);
+  torch::manual_seed(0);
+  torch::nn::Linear head(64, 10);
+  std::vector<at::Tensor> trunk_params;
+  for (const auto& p : trunk.parameters()) {
+    trunk_params.push_back(p);
+  }
+  torch::optim::SGD trunk_opt(trunk_params, 0.001);
+  torch::optim::Adam head_opt(head->parameters(), 1e-3);
+  trainmem::Audit audit(trunk);  // a torch::jit::Module
+  audit.add_module(head);
+  audit.add_optimizer(trunk_opt, "trunk");
+  audit.add_optimizer(head_opt, "head");
+  for (int i = 0; i < kSteps; ++i) {
+    auto x = torch::randn({32, 3, 32, 32});
+    auto y = torch::randint(0, 10, {32});
+    auto step = audit.step();
+    trunk_opt.zero_grad();
+    head_opt.zero_grad();
+    auto features = trunk.forward({x}).toTensor();
+    auto loss = torch::nll_loss(torch::log_softmax(head->forward(features), 1), y);
+    loss.backward();
+    trunk_opt.step();
+    head_opt.step();
+  }
+  const auto r = audit.report();
+  // The trunk's weights are PARAMETER, never saved activations.
+  EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
+  EXPECT_EQ(storage_bytes(trunk_params), py.at("trunk_param_bytes").get<int64_t>());
+  EXPECT_EQ(r.buckets[0].bytes, py.at("trunk_param_bytes").get<int64_t>() + py.at("head_param_bytes").get<int64_t>());
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_EQ(phase_labels(r, i), (std::vector<std::string>{"forward", "backward", "optimizer step (trunk)",
+                                                            "optimizer step (head)"}))
+        << "step " << i;
+  }
+  std::string nodes;
+  for (const auto& n : r.saved_by_node) {
+    nodes += n.node + " " + std::to_string(n.bytes) + "\n";
+  }
+  for (const auto& n : r.saved_by_node) {
+    EXPECT_EQ(n.node.find("CppFunction"), std::string::npos) << "a TorchScript node is unnamed:\n" << nodes;
+  }
+  // The trunk's two differentiable graphs (torch.jit.last_executed_optimized_graph()
+  // in Python shows them), named by their ops, with what each keeps: relu's
+  // output [32,16,30,30] f32 and max_pool's indices [32,16,15,15] i64; the
+  // flattened features [32,3600] f32 and relu's output [32,64] f32.
+  auto bytes_of = [&](const std::string& node) {
+    for (const auto& n : r.saved_by_node) {
+      if (n.node == node) {
+        return n.bytes;
+      }
+    }
+    return int64_t{-1};
+  };
+  EXPECT_EQ(bytes_of("DifferentiableGraphBackward(aten::relu, aten::max_pool2d_with_indices)"),
+            32 * 16 * 30 * 30 * 4 + 32 * 16 * 15 * 15 * 8)
+      << nodes;
+  EXPECT_EQ(bytes_of("DifferentiableGraphBackward(aten::linear, aten::relu)"), 32 * 3600 * 4 + 32 * 64 * 4) << nodes;
+}
+
+TEST(AuditTrainersTest, MeterCountsThroughOffloadAndUserHooks) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  auto x = torch::randn({16, 32});
+  auto meter_with = [&](const std::function<void()>& forward) {
+    trainmem::SavedTensorMeter meter(*mlp);
+    {
+      trainmem::SavedTensorMeterGuard scope(meter);
+      forward();
+    }
+    return meter.report();
+  };
+  // Offload inside the meter's scope, and outside it: the meter sees all.
+  at::Tensor loss;
+  auto r = meter_with([&] {
+    trainmem::SaveOnCpuGuard offload(*mlp, trainmem::SaveOnCpuOptions().copy_cpu_tensors(true).min_offload_bytes(0));
+    loss = mlp->forward(x).pow(2).sum();
+  });
+  EXPECT_EQ(r.saved_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.host_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.device_bytes, 0);
+  loss.backward();
+  {
+    trainmem::SaveOnCpuGuard offload(*mlp, trainmem::SaveOnCpuOptions().copy_cpu_tensors(true).min_offload_bytes(0));
+    r = meter_with([&] { loss = mlp->forward(x).pow(2).sum(); });
+    EXPECT_GT(offload.stats().offloaded_bytes, 0);  // the meter did not shadow the offload
+  }
+  EXPECT_EQ(r.saved_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.host_bytes, kMlpSavedBytes);
+  // SaveOnCpuGuard leaves CPU tensors where they are by default.
+  r = meter_with([&] {
+    trainmem::SaveOnCpuGuard offload(*mlp);
+    loss = mlp->forward(x).pow(2).sum();
+  });
+  EXPECT_EQ(r.saved_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.device_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.host_bytes, 0);
+  // A user's own hooks: counted, and they still run.
+  int64_t packs = 0;
+  r = meter_with([&] {
+    trainmem::SavedTensorHooksGuard hooks(
+        [&](const at::Tensor& t) -> std::any {
+          ++packs;
+          return t.tensor_data();
+        },
+        [](const std::any& p) { return std::any_cast<at::Tensor>(p); });
+    loss = mlp->forward(x).pow(2).sum();
+  });
+  EXPECT_EQ(packs, 5);  // x, h, gelu(h), W2.T, out (addmm keeps W1.T only when x needs grad): every save went through the user's pack
+  EXPECT_EQ(r.saved_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.device_bytes, kMlpSavedBytes);
+  loss.backward();
+}
+
+TEST(AuditTrainersTest, AuditReportsOffloadedBytesAsHostBytes) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  trainmem::Audit audit(mlp, &opt);
+  {
+    auto step = audit.step();
+    auto x = torch::randn({16, 32});
+    at::Tensor loss;
+    {
+      trainmem::SaveOnCpuGuard offload(*mlp, trainmem::SaveOnCpuOptions().copy_cpu_tensors(true).min_offload_bytes(0));
+      loss = mlp->forward(x).pow(2).sum();
+    }
+    loss.backward();
+    opt.step();
+  }
+  const auto r = audit.report();
+  EXPECT_EQ(r.saved_activation_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.saved_host_bytes, kMlpSavedBytes);
+  EXPECT_EQ(r.saved_device_bytes, 0);
+  EXPECT_NE(trainmem::to_text(r).find("0 B on the device, 36,864 B offloaded to the host"), std::string::npos)
+      << trainmem::to_text(r);
+  const auto back = trainmem::report_from_json(trainmem::to_json(r));
+  EXPECT_EQ(back.saved_host_bytes, kMlpSavedBytes);
+}
+
+TEST(AuditTrainersTest, OptimizerStateMadeInBackwardIsOptimizerState) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  trainmem::OptimizerInBackward oib(mlp->parameters(), [](std::vector<at::Tensor> p) {
+    return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-3));
+  });
+  trainmem::Audit audit(mlp);
+  audit.add_optimizer(oib);
+  for (int i = 0; i < 2; ++i) {
+    auto step = audit.step();
+    mlp->forward(torch::randn({16, 32})).pow(2).sum().backward();
+  }
+  const auto all = trainmem::live_bytes(audit.timeline());
+  EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), 2 * kMlpParamBytes);
+  EXPECT_EQ(at_cat(all.back(), Category::kGradient), 0);  // freed in backward
+  EXPECT_EQ(at_cat(all.back(), Category::kUnknown), 0);
+  const auto r = audit.report();
+  int64_t state = 0;
+  for (const auto& b : r.buckets) {
+    state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  }
+  EXPECT_EQ(state, 2 * kMlpParamBytes);
+}
+
+// One thread's loop, audited: what each step must show, exactly.
+struct StepFigures {
+  int64_t saved = 0;
+  std::vector<std::string> phases;
+  int64_t peak_above_baseline = 0;
+  int64_t gradient = 0, state = 0, activation = 0, temporary_end = 0;
+  bool operator==(const StepFigures&) const = default;
+};
+
+std::vector<StepFigures> run_mlp_loop(int steps) {
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  trainmem::Audit audit(mlp, &opt);
+  for (int i = 0; i < steps; ++i) {
+    auto step = audit.step();
+    opt.zero_grad();
+    auto x = torch::randn({16, 32});
+    mlp->forward(x).pow(2).sum().backward();
+    opt.step();
+  }
+  const auto r = audit.report();
+  const auto& t = audit.timeline();
+  int64_t baseline = 0;
+  for (auto b : t.baseline_bytes) {
+    baseline += b;
+  }
+  std::vector<StepFigures> out(static_cast<size_t>(steps));
+  for (int i = 0; i < steps; ++i) {
+    out[i].saved = r.steps[i].saved_activation_bytes;
+    out[i].phases = phase_labels(r, i);
+    out[i].peak_above_baseline = r.steps[i].peak_bytes - baseline;
+  }
+  // Live bytes by category at each step's end.
+  trainmem::CategoryBytes live = t.baseline_bytes;
+  size_t e = 0;
+  for (int i = 0; i < steps; ++i) {
+    const int64_t end = r.phases[static_cast<size_t>(3 * i + 2)].end_ns;
+    while (e < t.events.size() && t.events[e].time_ns <= end) {
+      live[static_cast<int>(t.events[e].category)] += t.events[e].bytes;
+      ++e;
+    }
+    out[i].gradient = live[static_cast<int>(Category::kGradient)];
+    out[i].state = live[static_cast<int>(Category::kOptimizerState)];
+    out[i].activation = live[static_cast<int>(Category::kActivation)];
+    out[i].temporary_end = live[static_cast<int>(Category::kTemporary)];
+  }
+  return out;
+}
+
+TEST(AuditTrainersTest, TwoThreadsTwoHundredStepsEachAreExactEveryStep) {
+  trainmem::CpuMemoryTracker::install();
+  constexpr int kSteps = 200;
+  const auto solo = run_mlp_loop(3);
+  ASSERT_EQ(solo[1], solo[2]);  // steady state from step 1 on
+  EXPECT_EQ(solo[1].saved, kMlpSavedBytes);
+  EXPECT_EQ(solo[1].phases, (std::vector<std::string>{"forward", "backward", "optimizer step (SGD)"}));
+  EXPECT_EQ(solo[1].gradient, kMlpParamBytes);
+  EXPECT_EQ(solo[1].state, kMlpParamBytes);
+  EXPECT_EQ(solo[1].activation, 0);
+  std::vector<StepFigures> a, b;
+  std::thread ta([&] { a = run_mlp_loop(kSteps); });
+  std::thread tb([&] { b = run_mlp_loop(kSteps); });
+  ta.join();
+  tb.join();
+  for (int i = 0; i < kSteps; ++i) {
+    const auto& want = solo[std::min(i, 2)];
+    ASSERT_EQ(a[i], want) << "thread a, step " << i << ": peak " << a[i].peak_above_baseline << " vs "
+                          << want.peak_above_baseline << ", saved " << a[i].saved;
+    ASSERT_EQ(b[i], want) << "thread b, step " << i << ": peak " << b[i].peak_above_baseline << " vs "
+                          << want.peak_above_baseline << ", saved " << b[i].saved;
+  }
+}
+
+TEST(AuditTrainersTest, AuditDestroyedOnAnotherThreadMidStepIsSafe) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  auto audit = std::make_unique<trainmem::Audit>(mlp, &opt);
+  audit->begin_step();
+  auto loss = mlp->forward(torch::randn({16, 32})).pow(2).sum();
+  std::thread([&] { audit.reset(); }).join();  // the step is open, on this thread
+  // The loop goes on unaudited; nothing dangles.
+  loss.backward();
+  opt.step();
+  EXPECT_EQ(trainmem::num_active_saved_tensor_hooks(), 0);
+  mlp->forward(torch::randn({16, 32})).pow(2).sum().backward();
+  // A meter guard ended on another thread stops counting at once.
+  trainmem::SavedTensorMeter meter(*mlp);
+  auto guard = std::make_unique<trainmem::SavedTensorMeterGuard>(meter);
+  std::thread([&] { guard.reset(); }).join();
+  mlp->forward(torch::randn({16, 32})).pow(2).sum().backward();
+  EXPECT_EQ(meter.report().saved_bytes, 0);
+  trainmem::SavedTensorMeterGuard again(meter);  // usable again on this thread
+  (void)mlp->forward(torch::randn({16, 32})).pow(2).sum();
+}
+
+TEST(AuditTrainersTest, BytesBeforeTheAuditAreABaselineAndLabelsNameThem) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  auto data_set = torch::randn({1000, 32});   // a data set held in memory
+  auto cache = torch::randn({250, 32});       // something nobody names
+  auto run = [&](bool labelled) {
+    trainmem::Audit audit(mlp, &opt);
+    if (labelled) {
+      audit.label(data_set, "data set", Category::kInput);
+    }
+    {
+      auto step = audit.step();
+      opt.zero_grad();
+      auto x = data_set.narrow(0, 0, 16);
+      mlp->forward(x).pow(2).sum().backward();
+      opt.step();
+    }
+    return std::make_pair(audit.timeline().baseline_bytes, audit.report());
+  };
+  const int64_t live_before = tracker.stats().allocated_bytes;
+  const auto [plain, plain_report] = run(false);
+  const auto [named, named_report] = run(true);
+  const int64_t set_bytes = 1000 * 32 * 4;
+  EXPECT_EQ(plain[static_cast<int>(Category::kInput)], 0);
+  EXPECT_EQ(named[static_cast<int>(Category::kInput)], set_bytes);
+  EXPECT_EQ(named[static_cast<int>(Category::kBeforeAudit)], plain[static_cast<int>(Category::kBeforeAudit)] - set_bytes);
+  EXPECT_GE(plain[static_cast<int>(Category::kBeforeAudit)], set_bytes + 250 * 32 * 4);
+  EXPECT_EQ(plain[static_cast<int>(Category::kUnknown)], 0);
+  EXPECT_LE(plain[static_cast<int>(Category::kBeforeAudit)] + plain[static_cast<int>(Category::kParameter)],
+            live_before);
+  EXPECT_EQ(named_report.buckets.back().name, "data set");
+  EXPECT_EQ(named_report.buckets.back().bytes, set_bytes);
+  // The data set is no saved activation once labelled (x is a view of it).
+  EXPECT_EQ(plain_report.saved_activation_bytes - named_report.saved_activation_bytes, set_bytes);
+  // The HTML page can hide the baseline, without any script.
+  const auto html = trainmem::to_html(plain_report);
+  EXPECT_NE(html.find("id=\"hide-baseline\""), std::string::npos);
+  EXPECT_EQ(html.find("<script"), std::string::npos);
+}
+
+TEST(AuditTrainersTest, MarkedPhasesNameWhatDetectionCannotSee) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  trainmem::Audit audit(mlp, &opt);
+  std::vector<at::Tensor> ema;
+  for (const auto& p : mlp->parameters()) {
+    ema.push_back(p.detach().clone());
+  }
+  {
+    auto step = audit.step();
+    opt.zero_grad();
+    mlp->forward(torch::randn({16, 32})).pow(2).sum().backward();
+    opt.step();
+    {
+      auto phase = audit.phase(Phase::kOptimizerStep, "EMA");
+      torch::NoGradGuard no_grad;
+      const auto params = mlp->parameters();
+      for (size_t i = 0; i < ema.size(); ++i) {
+        ema[i].mul_(0.99).add_(params[i], 0.01);
+      }
+    }
+    EXPECT_THROW(audit.end_phase(), c10::Error);
+  }
+  const auto r = audit.report();
+  EXPECT_EQ(phase_labels(r, 0), (std::vector<std::string>{"forward", "backward", "optimizer step (SGD)",
+                                                          "optimizer step (EMA)", "forward"}));
+  EXPECT_THROW(audit.begin_phase(Phase::kForward), c10::Error);  // outside a step
+}
+
+TEST(AuditTrainersTest, EventLogIsCappedInsideAStepAndMemoryStaysFlat) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  constexpr int64_t kCap = 500;
+  trainmem::Audit audit(mlp, &opt, torch::kCPU, trainmem::AuditOptions().max_events(kCap));
+  {
+    auto step = audit.step();
+    for (int i = 0; i < 5000; ++i) {  // one step with many allocations
+      (void)torch::randn({4});
+    }
+  }
+  EXPECT_EQ(static_cast<int64_t>(audit.timeline().events.size()), kCap);
+  EXPECT_GE(audit.timeline().num_dropped_events, 2 * 5000 - kCap);
+  auto rss_kb = [] {
+    std::ifstream f("/proc/self/statm");
+    int64_t size = 0, resident = 0;
+    f >> size >> resident;
+    return resident * 4;
+  };
+  auto train = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      auto step = audit.step();
+      opt.zero_grad();
+      mlp->forward(torch::randn({16, 32})).pow(2).sum().backward();
+      opt.step();
+    }
+  };
+  train(50);
+  const int64_t before = rss_kb();
+  train(500);
+  const int64_t after = rss_kb();
+  EXPECT_EQ(static_cast<int64_t>(audit.timeline().events.size()), kCap);
+  EXPECT_LT(after - before, 2048) << "RSS grew by " << after - before << " kB over 500 steps past the cap";
+}
+
+TEST(AuditTrainersTest, LongRunsAreSummarizedNotListed) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), 0.01);
+  trainmem::Audit audit(mlp, &opt, torch::kCPU, trainmem::AuditOptions().timeline(false));
+  for (int i = 0; i < 20; ++i) {
+    auto step = audit.step();
+    opt.zero_grad();
+    mlp->forward(torch::randn({16, 32})).pow(2).sum().backward();
+    opt.step();
+  }
+  const auto r = audit.report();
+  const auto sum = trainmem::summarize_steps(r.steps);
+  EXPECT_EQ(sum.num_steps, 20);
+  std::vector<int64_t> peaks;
+  for (const auto& s : r.steps) {
+    peaks.push_back(s.peak_bytes);
+  }
+  std::sort(peaks.begin(), peaks.end());
+  EXPECT_EQ(sum.peak_bytes.min, peaks.front());
+  EXPECT_EQ(sum.peak_bytes.median, peaks[9]);
+  EXPECT_EQ(sum.peak_bytes.max, peaks.back());
+  const auto text = trainmem::to_text(r);
+  EXPECT_NE(text.find("20 steps in all"), std::string::npos) << text;
+  EXPECT_NE(text.find("median"), std::string::npos);
+  EXPECT_EQ(text.find("\n  19 "), std::string::npos) << "one row per step past kMaxStepRows:\n" << text;
+  // Hand-made figures: min, lower median, max.
+  std::vector<trainmem::StepRecord> steps(4);
+  const int64_t v[] = {5, 1, 3, 2};
+  for (int i = 0; i < 4; ++i) {
+    steps[i].peak_bytes = v[i];
+  }
+  const auto s4 = trainmem::summarize_steps(steps);
+  EXPECT_EQ(s4.peak_bytes.min, 1);
+  EXPECT_EQ(s4.peak_bytes.median, 2);
+  EXPECT_EQ(s4.peak_bytes.max, 5);
+  EXPECT_THROW(trainmem::summarize_steps({}), c10::Error);
+}
+
+} // namespace

@@ -1,0 +1,118 @@
+// CUDA step predictions from meta runs. Expected figures are worked by hand
+// from the allocator's rules and LibTorch's kernels, in the comments.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/linear.h>
+
+#include "trainmem/cuda_predict.h"
+#include "trainmem/meta.h"
+#include "trainmem/planner.h"
+
+namespace {
+
+constexpr int64_t MiB = 1024 * 1024;
+
+torch::nn::Linear meta_linear(int64_t in, int64_t out) {
+  trainmem::MetaInitGuard meta;
+  return torch::nn::Linear(in, out);
+}
+
+TEST(CudaPredictTest, CublasCopiesOperandsItCannotRead) {
+  auto m = at::empty({64, 32}, at::kMeta);
+  EXPECT_EQ(trainmem::cublas_operand_copy_bytes(m), 0);        // row-major
+  EXPECT_EQ(trainmem::cublas_operand_copy_bytes(m.t()), 0);    // column-major
+  // A gradient expanded from a scalar (strides 0, 0): cloned, 64 x 32 x 4 B.
+  auto expanded = at::empty({}, at::kMeta).expand({64, 32});
+  EXPECT_EQ(trainmem::cublas_operand_copy_bytes(expanded), 64 * 32 * 4);
+  // Every other column: leading dimension fine, but not unit stride: cloned.
+  auto big = at::empty({64, 64}, at::kMeta);
+  EXPECT_EQ(trainmem::cublas_operand_copy_bytes(big.slice(1, 0, 64, 2)), 64 * 32 * 4);
+  // A batched operand with a zero batch stride (a broadcast weight): cloned.
+  auto batch = at::empty({32, 16}, at::kMeta).expand({8, 32, 16});
+  EXPECT_EQ(trainmem::cublas_operand_copy_bytes(batch), 8 * 32 * 16 * 4);
+}
+
+// Linear(1024, 1024) on x (2048, 1024) without grad, loss y.sum().
+// Forward: x 8 MiB; addmm's output 8 MiB (freed after sum) and, as the first
+// matmul of the main thread and one cuBLASLt takes (1-d bias), the cuBLAS
+// workspace (8,519,680 B) and the cuBLASLt workspace (1 MiB); the loss, 4 B in
+// a 512 B block. Backward: the seed gradient (512 B block); SumBackward
+// expands it (a view); addmm's weight gradient is grad.t().mm(x).t(): grad is
+// expanded, so cuBLAS clones it (8 MiB, freed after the mm), the output is
+// 4 MiB, and the backward thread makes its own cuBLAS workspace. At that
+// moment the device holds:
+//   parameters 4,194,304 + 4,096, workspaces 2 x 8,519,680 + 1,048,576,
+//   x 8,388,608, loss and seed 2 x 512, weight gradient 4,194,304,
+//   the clone 8,388,608                                  = 43,258,880 B.
+TEST(CudaPredictTest, LinearStepByHand) {
+  auto lin = meta_linear(1024, 1024);
+  const auto p = trainmem::predict_cuda_step_peak(*lin, [&] {
+    return lin->forward(at::empty({2048, 1024}, at::kMeta)).sum();
+  });
+  EXPECT_EQ(p.max_memory_allocated_bytes, 43258880) << trainmem::to_string(p);
+  EXPECT_EQ(p.phase, trainmem::Phase::kBackward);
+  EXPECT_EQ(p.start_allocated_bytes, 4194304 + 4096);
+  EXPECT_EQ(p.terms.param_bytes, 4194304 + 4096);
+  EXPECT_EQ(p.terms.workspace_bytes, 2 * 8519680 + 1048576);
+  EXPECT_EQ(p.terms.kernel_temporary_bytes, 8388608);
+  EXPECT_EQ(p.terms.grad_bytes, 4194304);
+  EXPECT_EQ(p.terms.step_bytes, 8388608 + 4 + 4);
+  EXPECT_EQ(p.terms.rounding_bytes, 2 * (512 - 4));
+  const auto& t = p.terms;
+  EXPECT_EQ(t.resident_bytes + t.param_bytes + t.optimizer_state_bytes + t.workspace_bytes + t.grad_bytes +
+                t.kernel_temporary_bytes + t.step_bytes + t.rounding_bytes,
+            p.max_memory_allocated_bytes);
+  EXPECT_TRUE(p.workspaces.cublas_forward && p.workspaces.cublaslt_forward && p.workspaces.cublas_backward);
+  EXPECT_FALSE(p.workspaces.cublaslt_backward);
+  // Reserved: parameters: the weight takes a 20 MiB large segment (split), the
+  // bias a 2 MiB small one; x and addmm's output share the weight's segment's
+  // 16 MiB rest; the workspaces (8,519,680 B, < 10 MiB) get a 20 MiB segment
+  // each; the cuBLASLt one (1 MiB, small) a 2 MiB one... the peak is
+  // whatever the model says, and never below allocated.
+  EXPECT_GE(p.max_memory_reserved_bytes, p.max_memory_allocated_bytes);
+}
+
+TEST(CudaPredictTest, WorkspacesMadeEarlierAreResidentAndNotMadeAgain) {
+  auto lin = meta_linear(1024, 1024);
+  trainmem::CudaWorkspaces warm;
+  warm.cublas_forward = warm.cublaslt_forward = warm.cublas_backward = true;
+  const auto p = trainmem::predict_cuda_step_peak(
+      *lin, [&] { return lin->forward(at::empty({2048, 1024}, at::kMeta)).sum(); }, nullptr,
+      trainmem::CudaPredictOptions().workspaces(warm));
+  EXPECT_EQ(p.max_memory_allocated_bytes, 43258880);  // the same three workspaces, made before
+  EXPECT_EQ(p.start_allocated_bytes, 4194304 + 4096 + 2 * 8519680 + 1048576);
+  // On Hopper the cuBLAS workspaces are 32 MiB: 2 x (32 MiB - 8,519,680 B) more.
+  const auto hopper = trainmem::predict_cuda_step_peak(
+      *lin, [&] { return lin->forward(at::empty({2048, 1024}, at::kMeta)).sum(); }, nullptr,
+      trainmem::CudaPredictOptions().cublas_workspace_bytes(trainmem::kCublasWorkspaceHopperBytes));
+  EXPECT_EQ(hopper.max_memory_allocated_bytes, 43258880 + 2 * (32 * MiB - 8519680));
+}
+
+TEST(CudaPredictTest, ResidentTensorsCountFromTheStart) {
+  auto lin = meta_linear(1024, 1024);
+  const auto resident = at::empty({1000}, at::kMeta);  // 4,000 B in a 4,096 B block
+  const auto p = trainmem::predict_cuda_step_peak(
+      *lin, [&] { return lin->forward(at::empty({2048, 1024}, at::kMeta)).sum(); }, nullptr,
+      trainmem::CudaPredictOptions().resident({resident}));
+  EXPECT_EQ(p.max_memory_allocated_bytes, 43258880 + 4096);
+  EXPECT_EQ(p.terms.resident_bytes, 4000);
+}
+
+TEST(CudaPredictTest, LeavesThePlannersMetaCounterWorking) {
+  auto lin = meta_linear(256, 256);
+  auto loss = [&] { return lin->forward(at::empty({64, 256}, at::kMeta)).pow(2).mean(); };
+  const auto before = trainmem::predict_step_peak(*lin, loss);
+  trainmem::predict_cuda_step_peak(*lin, loss);
+  const auto after = trainmem::predict_step_peak(*lin, loss);
+  EXPECT_EQ(before.peak_bytes, after.peak_bytes);
+  EXPECT_GT(after.peak_bytes, 0);
+}
+
+TEST(CudaPredictTest, RejectsParametersOffMeta) {
+  torch::nn::Linear cpu(4, 4);
+  EXPECT_THROW(trainmem::predict_cuda_step_peak(*cpu, [&] { return cpu->forward(at::ones({2, 4})).sum(); }),
+               c10::Error);
+}
+
+} // namespace

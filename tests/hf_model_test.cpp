@@ -1,0 +1,281 @@
+#include "trainmem/hf_model.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include "trainmem/accountant.h"
+#include "trainmem/allocator.h"
+#include "trainmem/meter.h"
+#include "trainmem/planner.h"
+#include "region_planner_check.h"
+
+namespace {
+
+std::string data(const std::string& name) {
+  return std::string(TRAINMEM_TEST_DATA_DIR) + "/" + name;
+}
+
+// Built on meta, with nothing allocated on the CPU.
+trainmem::HfModel build_on_meta(const trainmem::HfConfig& config) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  const auto before = tracker.stats();
+  trainmem::HfModel model;
+  {
+    trainmem::MetaInitGuard meta;
+    model = trainmem::build_hf_model(config);
+  }
+  EXPECT_EQ(tracker.stats().num_allocs - before.num_allocs, 0);
+  for (const auto& p : model.module->parameters()) EXPECT_TRUE(p.is_meta());
+  return model;
+}
+
+at::Tensor meta_tokens(int64_t B, int64_t T) {
+  return at::empty({B, T}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+TEST(HfModelTest, Gpt2SmallFromItsConfigHasExactlyItsParameters) {
+  const auto config = trainmem::load_hf_config(data("gpt2.json"));
+  EXPECT_EQ(config.architecture, trainmem::HfArchitecture::kGPT2);
+  EXPECT_EQ(trainmem::hf_num_params(config), 124439808);
+  const auto model = build_on_meta(config);
+  EXPECT_EQ(trainmem::account(*model.module).num_params, 124439808);
+  auto logits = model.forward(meta_tokens(2, 16));
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 50257}));
+}
+
+TEST(HfModelTest, Llama2_7bFromItsConfigHasExactlyItsParameters) {
+  const auto config = trainmem::load_hf_config(data("llama2_7b.json"));
+  EXPECT_EQ(config.architecture, trainmem::HfArchitecture::kLlama);
+  EXPECT_EQ(config.head_dim, 128);
+  EXPECT_FALSE(config.tie_word_embeddings);
+  EXPECT_DOUBLE_EQ(config.norm_eps, 1e-5);
+  EXPECT_EQ(trainmem::hf_num_params(config), 6738415616);
+  const auto model = build_on_meta(config);
+  const auto buckets = trainmem::account(*model.module);
+  EXPECT_EQ(buckets.num_params, 6738415616);
+  EXPECT_EQ(buckets.param_bytes, 4 * 6738415616);
+  auto loss = model.loss(meta_tokens(1, 64));
+  EXPECT_TRUE(loss.is_meta());
+  EXPECT_EQ(loss.dim(), 0);
+}
+
+// The formula and the built module agree for every option: GQA, tied head,
+// attention and MLP biases.
+TEST(HfModelTest, FormulaMatchesTheModuleForEveryOption) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json", "tiny_llama_tied_bias.json"}) {
+    const auto config = trainmem::load_hf_config(data(name));
+    const auto model = build_on_meta(config);
+    EXPECT_EQ(trainmem::account(*model.module).num_params, trainmem::hf_num_params(config)) << name;
+  }
+  // tiny_llama_tied_bias by hand: V d + L (d (H + 2 KV) hd + H hd d + (H + 2 KV) hd + d
+  //   + 3 d I + 2 I + d + 2 d) + d; V 300, d 96, L 3, H 6, KV 3, hd 16, I 200.
+  const int64_t d = 96, hd = 16, I = 200;
+  const int64_t block = d * (6 + 6) * hd + 6 * hd * d + (6 + 6) * hd + d + 3 * d * I + 2 * I + d + 2 * d;
+  EXPECT_EQ(trainmem::hf_num_params(trainmem::load_hf_config(data("tiny_llama_tied_bias.json"))),
+            300 * d + 3 * block + d);
+}
+
+TEST(HfModelTest, BadConfigsNameTheKeyAndValue) {
+  EXPECT_NE(error_of([] { trainmem::load_hf_config(data("bad_missing_key.json")); })
+                .find("missing key \"intermediate_size\""),
+            std::string::npos);
+  const auto typed = error_of([] { trainmem::load_hf_config(data("bad_type.json")); });
+  EXPECT_NE(typed.find("\"n_head\" must be a positive integer, but got \"four\""), std::string::npos) << typed;
+  const auto arch = error_of([] { trainmem::load_hf_config(data("bad_arch.json")); });
+  EXPECT_NE(arch.find("unknown architecture: \"model_type\" is \"bert\""), std::string::npos) << arch;
+  const auto kv = error_of([] { trainmem::load_hf_config(data("bad_kv_heads.json")); });
+  EXPECT_NE(kv.find("\"num_attention_heads\" 4 is not divisible by \"num_key_value_heads\" 3"),
+            std::string::npos) << kv;
+  const auto heads = error_of([] {
+    trainmem::parse_hf_config(R"({"model_type": "gpt2", "n_layer": 2, "n_embd": 66, "n_head": 4,
+                                  "vocab_size": 10, "n_positions": 8})", "inline");
+  });
+  EXPECT_NE(heads.find("inline: \"n_embd\" 66 is not divisible by \"n_head\" 4"), std::string::npos) << heads;
+  const auto negative = error_of([] {
+    trainmem::parse_hf_config(R"({"model_type": "gpt2", "n_layer": -2, "n_embd": 64, "n_head": 4,
+                                  "vocab_size": 10, "n_positions": 8})", "inline");
+  });
+  EXPECT_NE(negative.find("\"n_layer\" must be a positive integer, but got -2"), std::string::npos) << negative;
+  const auto flag = error_of([] {
+    trainmem::parse_hf_config(R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10, "mlp_bias": "yes"})", "inline");
+  });
+  EXPECT_NE(flag.find("\"mlp_bias\" must be true or false, but got \"yes\""), std::string::npos) << flag;
+  EXPECT_NE(error_of([] { trainmem::load_hf_config("/nonexistent/config.json"); })
+                .find("cannot read the model config /nonexistent/config.json"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { trainmem::parse_hf_config("{not json", "x.json"); }).find("x.json: not valid JSON"),
+            std::string::npos);
+}
+
+// A tiny model of each family trains on CPU: the loss on a fixed batch falls.
+TEST(HfModelTest, TinyModelsTrainOnCpu) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json"}) {
+    torch::manual_seed(0);
+    const auto model = trainmem::build_hf_model(trainmem::load_hf_config(data(name)));
+    torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(3e-3));
+    const auto tokens = torch::randint(256, {4, 32});
+    double first = 0, last = 0;
+    for (int step = 0; step < 30; ++step) {
+      opt.zero_grad();
+      auto loss = model.loss(tokens);
+      loss.backward();
+      opt.step();
+      (step == 0 ? first : last) = loss.item<double>();
+    }
+    std::printf("%s: loss %.4f -> %.4f\n", name, first, last);
+    EXPECT_NEAR(first, std::log(256.0), 0.5) << name;  // about uniform at the start
+    EXPECT_LT(last, 0.5 * first) << name;
+  }
+}
+
+// What a step saves is exact on meta, and its peak matches the CPU's.
+TEST(HfModelTest, TinyModelsStepPeakOnMetaMatchesTheCpu) {
+  trainmem::CpuMemoryTracker::install();
+  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json"}) {
+    const auto config = trainmem::load_hf_config(data(name));
+    torch::manual_seed(0);
+    const auto cpu = trainmem::build_hf_model(config);
+    const auto meta = build_on_meta(config);
+    torch::optim::AdamW cpu_opt(cpu.module->parameters(), torch::optim::AdamWOptions(1e-3));
+    torch::optim::AdamW meta_opt(meta.module->parameters(), torch::optim::AdamWOptions(1e-3));
+    const int64_t B = 4, T = 64;
+    // The CPU's first step makes the optimizer state; measure the second.
+    auto tokens = torch::randint(256, {B, T});
+    trainmem::measure_step_peak(*cpu.module, [&] { return cpu.loss(tokens); }, &cpu_opt);
+    const auto measured = trainmem::measure_step_peak(*cpu.module, [&] { return cpu.loss(tokens); }, &cpu_opt);
+    const auto predicted =
+        trainmem::predict_step_peak(*meta.module, [&] { return meta.loss(meta_tokens(B, T)); }, &meta_opt);
+    const double err = static_cast<double>(predicted.peak_bytes - measured.peak_bytes) /
+        static_cast<double>(measured.peak_bytes);
+    std::printf("%s: predicted %lld B (%s), measured %lld B (%s), error %.4f %%; saved %lld B\n", name,
+                static_cast<long long>(predicted.peak_bytes), to_string(predicted.phase).c_str(),
+                static_cast<long long>(measured.peak_bytes), to_string(measured.phase).c_str(), 100 * err,
+                static_cast<long long>(predicted.activation_bytes));
+    EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes) << name;
+    EXPECT_EQ(predicted.param_bytes, measured.param_bytes) << name;
+    EXPECT_EQ(predicted.optimizer_state_bytes, measured.optimizer_state_bytes) << name;
+    EXPECT_LT(std::abs(err), 0.005) << name;
+  }
+}
+
+// The models as regions (hf_region_model): planned on meta (without a
+// budget, halfway, at the smallest peak), each plan run on CPU: saved bytes
+// exact, the step peak within 0.5 %, within the budget, gradients equal to
+// the plain run's; and the regions compute the model's own loss.
+TEST(HfModelTest, TinyModelsPlannedAsRegionsFitWhenRun) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json", "tiny_llama_tied_bias.json"}) {
+    const auto config = trainmem::load_hf_config(data(name));
+    torch::manual_seed(0);
+    const auto model = trainmem::build_hf_model(config);
+    torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto m = trainmem::hf_region_model(model, 4, 32);
+    m.optimizer = &opt;
+    ASSERT_EQ(static_cast<int64_t>(m.regions.size()), config.num_layers + 2) << name;
+    const auto zeros = at::zeros({4, 32}, at::kLong);
+    EXPECT_TRUE(at::equal(m.loss(trainmem::run_regions(m.regions, zeros, trainmem::BlockCheckpointing::none(
+                                                                                  config.num_layers + 2))),
+                          model.loss(zeros)))
+        << name;
+    trainmem::testing::check_model(name, *model.module, m, &opt);
+  }
+  EXPECT_THROW(trainmem::hf_region_model(trainmem::build_hf_model(trainmem::load_hf_config(data("tiny_gpt2.json"))),
+                                         1, 65),
+               c10::Error);
+}
+
+// Checkpointing every block of a LLaMA gives the plain run's gradients and
+// keeps only the blocks' inputs (and what the loss saves).
+TEST(HfModelTest, LlamaUnderACheckpointPlanGivesIdenticalGradients) {
+  const auto config = trainmem::load_hf_config(data("tiny_llama.json"));
+  torch::manual_seed(0);
+  const auto model = trainmem::build_hf_model(config);
+  const auto tokens = torch::randint(256, {2, 16});
+  model.loss(tokens).backward();
+  std::vector<at::Tensor> plain;
+  for (const auto& p : model.module->parameters()) plain.push_back(p.grad().clone());
+  model.module->zero_grad();
+  for (const auto& plan : {trainmem::BlockCheckpointing::full(2), trainmem::BlockCheckpointing::segments(2, 1)}) {
+    model.loss(tokens, plan).backward();
+    std::vector<at::Tensor> got;
+    for (const auto& p : model.module->parameters()) got.push_back(p.grad().clone());
+    EXPECT_EQ(trainmem::max_abs_diff(plain, got), 0.0) << plan.name;
+    model.module->zero_grad();
+  }
+  // Saved bytes: each checkpointed region keeps h (B, T, d), cos and sin (T, hd).
+  trainmem::SavedTensorMeter none(*model.module), full(*model.module);
+  {
+    trainmem::SavedTensorMeterGuard scope(none);
+    (void)model.loss(tokens);
+  }
+  {
+    trainmem::SavedTensorMeterGuard scope(full);
+    (void)model.loss(tokens, trainmem::BlockCheckpointing::full(2));
+  }
+  EXPECT_LT(full.report().saved_bytes, none.report().saved_bytes);
+}
+
+
+// transformers' name of a parameter of our Llama.
+std::string transformers_name(std::string n) {
+  if (n.rfind("lm_head.", 0) == 0) return n;
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {".q_proj.", ".self_attn.q_proj."}, {".k_proj.", ".self_attn.k_proj."},
+           {".v_proj.", ".self_attn.v_proj."}, {".o_proj.", ".self_attn.o_proj."},
+           {".gate_proj.", ".mlp.gate_proj."}, {".up_proj.", ".mlp.up_proj."},
+           {".down_proj.", ".mlp.down_proj."}}) {
+    if (auto at = n.find(from); at != std::string::npos) n.replace(at, from.size(), to);
+  }
+  return "model." + n;
+}
+
+// Independent check (tests/hf_llama_loss.py runs it with transformers'
+// loss): every parameter filled with the same values as there, by its
+// transformers name (sorted index i: 0.25 sin(0.7 k + i), norms 1 + that),
+// gives transformers' LlamaForCausalLM loss on the same tokens.
+TEST(HfModelTest, LlamaLossEqualsTransformers) {
+  const char* expected = std::getenv("TRAINMEM_HF_LLAMA_LOSS");
+  const char* path = std::getenv("TRAINMEM_HF_CONFIG");
+  if (expected == nullptr || path == nullptr) {
+    GTEST_SKIP() << "run by tests/hf_llama_loss.py (ctest hf.llama_loss_matches_transformers)";
+  }
+  const auto model = trainmem::build_hf_model(trainmem::load_hf_config(path));
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& p : model.module->named_parameters()) params.emplace_back(transformers_name(p.key()), p.value());
+  std::sort(params.begin(), params.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, p] = params[i];
+      const bool norm = name.size() >= 16 && (name.ends_with("layernorm.weight") || name == "model.norm.weight");
+      auto k = torch::arange(p.numel(), torch::kDouble);
+      auto v = (0.25 * torch::sin(0.7 * k + static_cast<double>(i))).to(torch::kFloat);
+      p.copy_((norm ? v + 1.0 : v).view_as(p));
+    }
+  }
+  const int64_t B = 2, T = 16, V = model.config.vocab_size;
+  auto tokens = torch::empty({B, T}, torch::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) tokens[b][t] = (7 * b + 3 * t) % V;
+  }
+  const double loss = model.loss(tokens).item<double>();
+  std::printf("%s: trainmem loss %.9f, transformers %s\n", path, loss, expected);
+  EXPECT_NEAR(loss, std::stod(expected), 1e-5);
+}
+
+} // namespace

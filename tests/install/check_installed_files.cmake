@@ -1,0 +1,27 @@
+# install.files: what `cmake --install` put under ${prefix} (cmake -P).
+foreach(f ${libdir}/cmake/trainmem/trainmemConfig.cmake ${libdir}/cmake/trainmem/trainmemTargets.cmake
+          ${libdir}/pkgconfig/trainmem.pc ${datadir}/doc/trainmem/LICENSE ${includedir}/trainmem/version.h
+          ${includedir}/trainmem/trainmem.h)
+  if(NOT EXISTS ${prefix}/${f})
+    message(FATAL_ERROR "not installed: ${f}")
+  endif()
+endforeach()
+file(GLOB targets ${prefix}/${libdir}/cmake/trainmem/trainmemTargets*.cmake)
+foreach(t ${targets})
+  file(STRINGS ${t} lines REGEX "INTERFACE_LINK_LIBRARIES")
+  foreach(line ${lines})
+    # Only target names and generator expressions: no path of the build machine.
+    if(line MATCHES "/[^\"$;]*\\.(so|a)")
+      message(FATAL_ERROR "${t} links a file by path: ${line}")
+    endif()
+  endforeach()
+endforeach()
+file(READ ${prefix}/${libdir}/cmake/trainmem/trainmemConfig.cmake config)
+if(NOT config MATCHES "trainmem_TORCH_VERSION \"${torch_version}\"")
+  message(FATAL_ERROR "trainmemConfig.cmake does not record LibTorch ${torch_version}")
+endif()
+file(READ ${prefix}/${includedir}/trainmem/version.h header)
+if(NOT header MATCHES "kVersion = \"${version}\"")
+  message(FATAL_ERROR "version.h does not say ${version}")
+endif()
+message("installed files ok")

@@ -1,0 +1,230 @@
+// `trainmem estimate --model FILE`: a real architecture from its config.json,
+// built on the meta device (no allocation), counted and stepped there.
+#include "model_file.h"
+
+#include <iostream>
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+
+#include "cli.h"
+#include "trainmem/accountant.h"
+#include "trainmem/allocator.h"
+#include "trainmem/hf_model.h"
+#include "trainmem/meta.h"
+#include "trainmem/planner.h"
+#include "trainmem/report.h"
+
+namespace trainmem::cli {
+
+void add_model_file_flags(CLI::App& sub, ModelFileFlags& f) {
+  sub.add_option("--model", f.path,
+                 "a Hugging Face style config.json (gpt2 or llama): estimate that model instead "
+                 "(--batch and --seq-len give its micro-batch)");
+  sub.add_option("--ranks", f.ranks, "data-parallel ranks the static bytes are split over (with --model)")
+      ->capture_default_str();
+  sub.add_option("--zero", f.zero, "ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also "
+                                   "parameters (with --model)")
+      ->capture_default_str();
+}
+
+namespace {
+
+const std::vector<Recipe> kRecipes = {Recipe::kFp32AdamW,       Recipe::kMixedAdamW, Recipe::kPureBf16AdamW,
+                                      Recipe::kFp32SGD,         Recipe::kFp32SGDMomentum,
+                                      Recipe::kFp32Adafactor};
+
+HfConfig load_config(const std::string& path, int64_t batch, int64_t seq_len) {
+  if (batch < 1 || seq_len < 1) {
+    throw UsageError(fmt::format("expected --batch and --seq-len > 0, but got --batch {} --seq-len {}", batch,
+                                 seq_len));
+  }
+  HfConfig config;
+  try {
+    config = load_hf_config(path);
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+  if (seq_len > config.max_positions) {
+    throw UsageError(fmt::format("expected --seq-len at most {} (the positions of {}), but got {}",
+                                 config.max_positions, path, seq_len));
+  }
+  return config;
+}
+
+std::string describe(const HfConfig& config, const std::string& path) {
+  return fmt::format("{} from {}: {} layers, hidden {}, {} heads ({} key-value), MLP {}, vocab {}{}",
+                     to_string(config.architecture), path, config.num_layers, config.hidden_size, config.num_heads,
+                     config.num_kv_heads, config.intermediate_size, config.vocab_size,
+                     config.tie_word_embeddings ? ", tied head" : "");
+}
+
+} // namespace
+
+void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json) {
+  if (f.ranks < 1) {
+    throw UsageError("expected --ranks >= 1, but got " + std::to_string(f.ranks));
+  }
+  if (f.zero < 0 || f.zero > 3) {
+    throw UsageError("expected --zero 0, 1, 2 or 3, but got " + std::to_string(f.zero));
+  }
+  const HfConfig config = load_config(f.path, batch, seq_len);
+  HfModel model;
+  {
+    MetaInitGuard meta;  // nothing allocated, whatever the size
+    model = build_hf_model(config);
+  }
+  const int64_t num_params = account(*model.module).num_params;
+  const int64_t formula_params = hf_num_params(config);
+  TORCH_CHECK(num_params == formula_params, "trainmem estimate: the model built from ", f.path, " has ",
+              num_params, " parameters, but the formula gives ", formula_params);
+  const int64_t largest = largest_layer_params(*model.module);
+  auto sharding = ShardingOptions().zero_stage(f.zero).world_size(f.ranks).largest_layer_params(f.zero == 3 ? largest : 0);
+  std::vector<ShardedStatic> recipes;
+  for (auto r : kRecipes) {
+    recipes.push_back(shard_static_bytes(predict_static_bytes(*model.module, r), sharding));
+  }
+  // Activations and the step peak, fp32 AdamW, on meta (exact bytes of the CPU kernels).
+  const auto tokens = [&] {
+    return at::empty({batch, seq_len}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
+  };
+  const auto saved = predict_saved_activations(*model.module, [&] { return model.loss(tokens()); });
+  torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto peak = predict_step_peak(*model.module, [&] { return model.loss(tokens()); }, &opt);
+
+  if (json) {
+    nlohmann::ordered_json j;
+    j["schema"] = "trainmem/1";
+    j["kind"] = "estimate_model";
+    j["model"] = {{"file", f.path},
+                  {"architecture", to_string(config.architecture)},
+                  {"vocab_size", config.vocab_size},
+                  {"hidden_size", config.hidden_size},
+                  {"num_layers", config.num_layers},
+                  {"num_heads", config.num_heads},
+                  {"num_kv_heads", config.num_kv_heads},
+                  {"intermediate_size", config.intermediate_size},
+                  {"max_positions", config.max_positions},
+                  {"tie_word_embeddings", config.tie_word_embeddings}};
+    j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
+    j["sharding"] = {{"zero_stage", f.zero}, {"world_size", f.ranks}, {"largest_layer_params", largest}};
+    j["num_params"] = num_params;
+    for (const auto& s : recipes) {
+      j["recipes"].push_back({{"recipe", to_string(s.formula.recipe)},
+                              {"bytes_per_param", s.formula.bytes_per_param},
+                              {"static_bytes", s.formula.total_bytes},
+                              {"device_per_rank_bytes", s.device_per_rank_bytes},
+                              {"host_per_rank_bytes", s.host_per_rank_bytes}});
+    }
+    j["activation_bytes"] = saved.saved_bytes;
+    j["activation_dtype"] = "fp32";
+    j["step_peak"] = {{"recipe", to_string(Recipe::kFp32AdamW)},
+                      {"peak_bytes", peak.peak_bytes},
+                      {"phase", to_string(peak.phase)},
+                      {"param_bytes", peak.param_bytes},
+                      {"optimizer_state_bytes", peak.optimizer_state_bytes},
+                      {"activation_bytes", peak.activation_bytes},
+                      {"forward_peak_bytes", peak.forward_peak_bytes},
+                      {"backward_peak_bytes", peak.backward_peak_bytes},
+                      {"optimizer_peak_bytes", peak.optimizer_peak_bytes}};
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  std::string out =
+      fmt::format("trainmem estimate: {} (built on meta, nothing is run)\n", describe(config, f.path));
+  out += fmt::format("parameters {:>24}\n", with_commas(num_params));
+  out += fmt::format("static bytes by recipe, ZeRO-{} over {} rank{} (per rank: device, host):\n", f.zero,
+                     f.ranks, f.ranks == 1 ? "" : "s");
+  for (const auto& s : recipes) {
+    out += fmt::format("  {:<26} {:>5.2f} B/param {:>20} B   per rank {:>20} B {:>10}, host {} B\n",
+                       to_string(s.formula.recipe), s.formula.bytes_per_param, with_commas(s.formula.total_bytes),
+                       with_commas(s.device_per_rank_bytes), human_bytes(s.device_per_rank_bytes),
+                       with_commas(s.host_per_rank_bytes));
+  }
+  out += fmt::format("activations of one micro-batch (batch {} x {} tokens, fp32, no checkpointing)\n", batch,
+                     seq_len);
+  out += fmt::format("  {:<26} {:>20} B  {:>10}  (exact on meta)\n", "saved for backward",
+                     with_commas(saved.saved_bytes), human_bytes(saved.saved_bytes));
+  out += fmt::format("step peak, fp32 AdamW, one rank {:>20} B  {:>10}  in the {} (forward {} B, backward {} B, "
+                     "optimizer step {} B)\n",
+                     with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
+                     with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
+                     with_commas(peak.optimizer_peak_bytes));
+  std::cout << out;
+}
+
+void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
+                    bool run, bool json) {
+  const HfConfig config = load_config(path, batch, seq_len);
+  if (run) {
+    CpuMemoryTracker::install();  // before the model: every CPU byte of the run is counted
+  }
+  // Planned on meta whatever the size; built on CPU (initialized) only to run it.
+  HfModel model;
+  if (run) {
+    torch::manual_seed(0);
+    model = build_hf_model(config);
+  } else {
+    MetaInitGuard meta;
+    model = build_hf_model(config);
+  }
+  auto m = hf_region_model(model, batch, seq_len);
+  torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
+  m.optimizer = &opt;
+  const auto plan = plan_regions(m, PlanOptions().budget_bytes(budget).selective(selective));
+  std::optional<StepPeak> measured;
+  if (plan.feasible && run) {
+    const auto tokens = m.input(at::kCPU);
+    const auto checkpointing = plan.checkpointing();
+    auto step = [&] { return m.loss(run_regions(m.regions, tokens, checkpointing)); };
+    (void)measure_step_peak(*model.module, step, &opt);  // warm-up: AdamW's state exists from here on
+    measured = measure_step_peak(*model.module, step, &opt);
+  }
+  if (json) {
+    nlohmann::ordered_json j;
+    j["schema"] = "trainmem/1";
+    j["kind"] = "plan_model";
+    j["model"] = {{"file", path}, {"architecture", to_string(config.architecture)}, {"num_layers", config.num_layers}};
+    j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
+    j["plan"] = {{"name", plan.name},
+                 {"feasible", plan.feasible},
+                 {"budget_bytes", plan.budget_bytes},
+                 {"predicted_peak_bytes", plan.predicted_peak_bytes},
+                 {"activation_bytes", plan.activation_bytes},
+                 {"min_peak_bytes", plan.min_peak_bytes},
+                 {"recompute_cost", plan.recompute_cost},
+                 {"forward_cost", plan.forward_cost},
+                 {"num_profiles", plan.num_profiles}};
+    if (measured) {
+      j["measured"] = {{"peak_bytes", measured->peak_bytes},
+                       {"peak_phase", to_string(measured->phase)},
+                       {"activation_bytes", measured->activation_bytes}};
+    }
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, fp32, AdamW ({})\n\n", describe(config, path),
+                             batch, seq_len, run ? "planned on meta, run on CPU" : "planned on meta, not run");
+    std::cout << to_string(plan);
+    if (measured) {
+      const double err = static_cast<double>(measured->peak_bytes - plan.predicted_peak_bytes) /
+                         static_cast<double>(plan.predicted_peak_bytes);
+      std::cout << fmt::format("\nran it on CPU (one AdamW step after a warm-up step)\n"
+                               "  step peak: predicted {} B, measured {} B ({:+.2f} %); {}\n"
+                               "  saved for backward: predicted {} B, measured {} B\n",
+                               with_commas(plan.predicted_peak_bytes), with_commas(measured->peak_bytes), 100 * err,
+                               measured->peak_bytes <= budget ? "within the budget" : "OVER the budget",
+                               with_commas(plan.activation_bytes), with_commas(measured->activation_bytes));
+    }
+  }
+  if (!plan.feasible) {
+    throw CheckFailed(fmt::format("no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}')",
+                                  with_commas(budget), with_commas(plan.min_peak_bytes), plan.name));
+  }
+}
+
+} // namespace trainmem::cli

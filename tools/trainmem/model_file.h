@@ -1,0 +1,37 @@
+#pragma once
+// `--model FILE`: a Hugging Face style config.json for `trainmem estimate`
+// (hf_model.h builds it on the meta device; nothing is run or downloaded).
+
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace trainmem::cli {
+
+struct ModelFileFlags {
+  std::string path;   ///< --model: the config.json
+  int64_t ranks = 1;  ///< --ranks: data-parallel ranks
+  int64_t zero = 0;   ///< --zero: ZeRO stage 0-3
+};
+
+/// Adds --model, --ranks and --zero to `sub`.
+void add_model_file_flags(CLI::App& sub, ModelFileFlags& flags);
+
+/// `trainmem estimate --model FILE`: parameters, static bytes per precision
+/// recipe and per rank (ZeRO), activation bytes of a (batch, seq_len)
+/// micro-batch (exact on meta, fp32) and the fp32 AdamW step peak. Throws
+/// UsageError (exit 2) naming the key and value of a bad config or flag.
+void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_len, bool json);
+
+/// `trainmem plan --model FILE --budget B`: the model's checkpoint plan for a
+/// fp32 AdamW step of a (batch, seq_len) micro-batch, planned on meta
+/// (plan_regions() on hf_region_model()). With `run`, the model is also
+/// built on CPU and one step run under the plan, measured beside the
+/// prediction (a small config only: it needs the memory it plans for).
+/// Throws UsageError (exit 2) for a bad config or flag, CheckFailed (exit 3)
+/// when no plan fits.
+void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
+                    bool run, bool json);
+
+} // namespace trainmem::cli
