@@ -7,14 +7,16 @@ storage-deduplicating saved_tensors_hooks meter (parameters excluded, as
 trainmem's meter does) and reads the bytes of DDP's bucket buffers from its
 reducer. The figures must equal trainmem's per-rank figures exactly.
 
-usage: distributed_check.py TRAINMEM_JSON NPROC LAYERS D_MODEL HEADS BATCH SEQ_LEN STEPS [--view]
+usage: distributed_check.py TRAINMEM_JSON NPROC LAYERS D_MODEL HEADS BATCH SEQ_LEN STEPS [--view] [--bucket-cap-mb X]
 Prints "distributed check ok" and the figures, or fails with both numbers.
 """
 
 import json
 import os
+import queue
 import socket
 import sys
+import time
 import warnings
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -32,7 +34,7 @@ def rank_main(rank, world, port, cfg, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = Transformer(cfg["layers"], cfg["d_model"], cfg["heads"])
-    ddp = DDP(model, gradient_as_bucket_view=cfg["view"])
+    ddp = DDP(model, gradient_as_bucket_view=cfg["view"], bucket_cap_mb=cfg["bucket_cap_mb"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)
     x = torch.randn(cfg["batch"], cfg["seq_len"], cfg["d_model"]).chunk(world)[rank].clone()
@@ -45,7 +47,8 @@ def rank_main(rank, world, port, cfg, out):
         loss.backward()
         opt.step()
         saved.append(meter.saved_bytes)
-    buckets = [b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_grad_buckets()]
+    # Buffers shaped like the reducer's buckets (PyTorch exposes these, not the buckets themselves).
+    buckets = [b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets()]
     out.put((rank, saved, buckets))
     dist.barrier()
     dist.destroy_process_group()
@@ -58,11 +61,17 @@ def free_port():
 
 
 def main():
-    args = [a for a in sys.argv[1:] if a != "--view"]
+    argv = sys.argv[1:]
+    bucket_cap_mb = None  # DDP's default (25 MiB, a 1 MiB first bucket)
+    if "--bucket-cap-mb" in argv:
+        i = argv.index("--bucket-cap-mb")
+        bucket_cap_mb = float(argv[i + 1])
+        del argv[i:i + 2]
+    args = [a for a in argv if a != "--view"]
     path = args[0]
     world, layers, d_model, heads, batch, seq_len, steps = (int(a) for a in args[1:8])
     cfg = dict(layers=layers, d_model=d_model, heads=heads, batch=batch, seq_len=seq_len, steps=steps,
-               view="--view" in sys.argv)
+               view="--view" in sys.argv, bucket_cap_mb=bucket_cap_mb)
     with open(path) as f:
         doc = json.load(f)
     assert doc["schema"] == "trainmem-distributed/1", doc["schema"]
@@ -75,9 +84,21 @@ def main():
     for p in procs:
         p.start()
     results = {}
-    for _ in range(world):
-        rank, saved, buckets = out.get(timeout=300)
-        results[rank] = (saved, buckets)
+    deadline = time.monotonic() + 300
+    while len(results) < world:
+        # A rank that dies must end the check now, not after the queue's timeout.
+        try:
+            rank, saved, buckets = out.get(timeout=1)
+            results[rank] = (saved, buckets)
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            sys.exit(f"distributed check failed: Python rank(s) {dead} exited with "
+                     f"{[procs[r].exitcode for r in dead]}" if dead else "distributed check failed: timed out")
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, f"a Python rank exited with {p.exitcode}"

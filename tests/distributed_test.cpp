@@ -113,13 +113,47 @@ TEST(DistributedTest, GradientAsBucketViewKeepsOneCopy) {
   for (size_t r = 0; r < 2; ++r) {
     const auto& v = viewed.report.ranks[r];
     const auto& c = copied.report.ranks[r];
+    SCOPED_TRACE(fmt::format("rank {}", r));
     // The buckets are the gradients: the gradients bucket is their storage.
     EXPECT_EQ(v.communication_bytes, fp32_param_bytes(mo));
     EXPECT_EQ(v.audit.static_bytes(), c.audit.static_bytes());
-    // Once the gradients are views (after the first step), the copies' run
-    // holds one gradient copy more at its peak.
-    const auto vp = v.audit.steps.back().peak_bytes, cp = c.audit.steps.back().peak_bytes;
-    EXPECT_LT(vp, cp) << "as views " << vp << " vs copies " << cp;
+    // In the optimizer step every gradient is live: as copies next to the
+    // buckets, as views inside them. So the copies' optimizer peak is one
+    // gradient copy higher. Not asserted to the byte: Gloo's threads
+    // allocate a few small tensors (96 B seen) at moments that vary from run
+    // to run, so the two runs' peaks may differ by that much besides.
+    for (size_t s = 0; s < 2; ++s) {
+      const auto vp = v.audit.steps[s].optimizer_peak_bytes, cp = c.audit.steps[s].optimizer_peak_bytes;
+      EXPECT_NEAR(static_cast<double>(cp - vp), static_cast<double>(fp32_param_bytes(mo)), 1024.0)
+          << "step " << s << ": optimizer peak as views " << vp << " vs copies " << cp;
+    }
+  }
+}
+
+TEST(DistributedTest, SmallBucketCapMakesSeveralBuckets) {
+  // DDP's cap, first step in one bucket, then rebuilt in gradient order.
+  const int64_t cap = 100 * 1024;
+  auto o = small_run(2);
+  o.data_parallel(DataParallelOptions().bucket_cap_bytes(cap).first_bucket_cap_bytes(cap));
+  const auto run = train_distributed(o);
+  const auto mo = small_model();
+  const auto full = train(TrainerOptions().model(mo).steps(1).keep_grads(true));
+  EXPECT_LE(max_abs_diff(run.grads, full.grads), 1e-6);
+  for (const auto& k : run.report.ranks) {
+    SCOPED_TRACE(fmt::format("rank {}", k.rank));
+    EXPECT_EQ(k.communication_bytes, fp32_param_bytes(mo));
+    ASSERT_GT(k.bucket_bytes.size(), 1u);
+    int64_t sum = 0;
+    for (auto b : k.bucket_bytes) {
+      sum += b;
+    }
+    EXPECT_EQ(sum, fp32_param_bytes(mo));
+    // A bucket closes once it reaches the cap, so none holds more than the cap
+    // plus one parameter (the largest here: a 64 x 256 weight, 65,536 B).
+    for (auto b : k.bucket_bytes) {
+      EXPECT_LT(b, cap + 64 * 256 * 4) << b;
+    }
+    EXPECT_EQ(k.bucket_bytes, run.report.ranks[0].bucket_bytes);
   }
 }
 
@@ -141,12 +175,15 @@ TEST(DistributedTest, ThrowingRankIsNamedWithItsMessage) {
 }
 
 TEST(DistributedTest, DisagreeingModelIsReportedNotAveraged) {
-  auto o = small_run(3).fail_rank(1).fail_mode("model");
+  auto o = small_run(4).fail_rank(1).fail_mode("model");
   double seconds = 0;
   const auto message = error_of(o, &seconds);
   EXPECT_NE(message.find("disagree on the model"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 1: parameter values differ from rank 0's"), std::string::npos) << message;
+  // Only the rank that differs is named.
   EXPECT_EQ(message.find("rank 2: "), std::string::npos) << message;
+  EXPECT_EQ(message.find("rank 3: "), std::string::npos) << message;
+  EXPECT_LT(seconds, 10.0) << message;
 }
 
 TEST(DistributedTest, BadOptionsNameTheValue) {
