@@ -565,7 +565,8 @@ OpKind op_kind(const SelectiveOp& op) {
   return kind;
 }
 
-bool is_save(CheckpointPolicy p) {
+// Saved or offloaded: not recomputed (selective.cpp's is_save counts only the first).
+bool is_kept(CheckpointPolicy p) {
   return p == CheckpointPolicy::kMustSave || p == CheckpointPolicy::kPreferSave ||
       p == CheckpointPolicy::kMustCpuOffload || p == CheckpointPolicy::kPreferCpuOffload;
 }
@@ -1014,7 +1015,7 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     const auto kind = op_kind(op);
     const double c = op_cost ? op_cost(op) : 0.0;
     if (ctx.is_recompute) {
-      if (!is_save(decision) || kind.aliases) {
+      if (!is_kept(decision) || kind.aliases) {
         *recompute_cost += c;
       }
     } else {

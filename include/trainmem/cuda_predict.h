@@ -128,7 +128,8 @@ struct CudaStepPrediction {
 /// (rounding, pools, segments, splitting), cuBLAS / cuBLASLt workspaces made
 /// on first use per thread, the contiguous copy cuBLAS makes of an operand it
 /// cannot read in place (an expanded gradient, e.g. after `sum()`), and the
-/// CUDA layouts of fused attention (cuda_meta_kernels below). What it does
+/// CUDA layouts of fused attention (flash attention's outputs and log-sum-exp,
+/// substituted for the CPU kernel's as the trace is recorded). What it does
 /// not: reduction kernels' small scratch buffers, cuDNN workspaces, NCCL,
 /// memory outside the caching allocator (the CUDA context, ~0.5 GB).
 CudaStepPrediction predict_cuda_step_peak(

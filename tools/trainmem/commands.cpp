@@ -282,7 +282,8 @@ void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
 
 // estimate --device cuda: the step (forward, loss, backward, optimizer step)
 // run on meta and replayed through the caching-allocator model.
-CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo) {
+// estimate --device cuda: the flags checked, the allocator settings parsed.
+CudaPredictOptions cuda_predict_options(const AuditFlags& f) {
   std::optional<c10::Device> device;
   try {
     device.emplace(f.device);
@@ -311,8 +312,14 @@ CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& 
     throw UsageError("--alloc-conf: " + std::string(e.what_without_backtrace()));
   }
   o.cublas_workspace_bytes(f.cublas_workspace);
+  return o;
+}
+
+// estimate --device cuda: the step (forward, loss, backward, optimizer step)
+// run on meta and replayed through the caching-allocator model.
+CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo) {
   return predict_cuda_transformer_step(mo, BlockCheckpointing::named(mo.num_layers(), "none"),
-                                       /*adamw=*/true, o);
+                                       /*adamw=*/true, cuda_predict_options(f));
 }
 
 void run_estimate(const AuditFlags& f) {
@@ -456,7 +463,11 @@ void add_estimate_command(CLI::App& app) {
   add_model_file_flags(*sub, *m);  // --model FILE (model_file.cpp)
   sub->callback([f, m] {
     if (!m->path.empty()) {
-      run_estimate_model(*m, f->model.batch, f->model.seq_len, f->json);
+      std::optional<CudaPredictOptions> cuda;
+      if (f->device != "cpu") {
+        cuda = cuda_predict_options(*f);
+      }
+      run_estimate_model(*m, f->model.batch, f->model.seq_len, f->json, cuda ? &*cuda : nullptr, f->device);
     } else {
       run_estimate(*f);
     }

@@ -15,6 +15,7 @@
 #include "cli.h"
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
+#include "trainmem/cuda_predict.h"
 #include "trainmem/hf_model.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
@@ -66,7 +67,8 @@ std::string describe(const HfConfig& config, const std::string& path) {
 
 } // namespace
 
-void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json) {
+void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json,
+                        const CudaPredictOptions* cuda_options, const std::string& device) {
   if (f.ranks < 1) {
     throw UsageError("expected --ranks >= 1, but got " + std::to_string(f.ranks));
   }
@@ -96,6 +98,12 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
   const auto saved = predict_saved_activations(*model.module, [&] { return model.loss(tokens()); });
   torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
   const auto peak = predict_step_peak(*model.module, [&] { return model.loss(tokens()); }, &opt);
+  std::optional<CudaStepPrediction> cuda;
+  if (cuda_options != nullptr) {
+    // A fresh optimizer: predict_cuda_step_peak runs its own two steps.
+    torch::optim::AdamW cuda_opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
+    cuda = predict_cuda_step_peak(*model.module, [&] { return model.loss(tokens()); }, &cuda_opt, *cuda_options);
+  }
 
   if (json) {
     nlohmann::ordered_json j;
@@ -132,6 +140,13 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                       {"forward_peak_bytes", peak.forward_peak_bytes},
                       {"backward_peak_bytes", peak.backward_peak_bytes},
                       {"optimizer_peak_bytes", peak.optimizer_peak_bytes}};
+    if (cuda) {
+      j["cuda"] = {{"device", device},
+                   {"max_memory_allocated_bytes", cuda->max_memory_allocated_bytes},
+                   {"max_memory_reserved_bytes", cuda->max_memory_reserved_bytes},
+                   {"workspace_bytes", cuda->terms.workspace_bytes},
+                   {"rounding_bytes", cuda->terms.rounding_bytes}};
+    }
     std::cout << j.dump(2) << "\n";
     return;
   }
@@ -155,6 +170,11 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                      with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
                      with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
                      with_commas(peak.optimizer_peak_bytes));
+  if (cuda) {
+    out += fmt::format("on {} (the same step replayed through the CUDA caching-allocator model, fp32 AdamW, one rank):\n",
+                       device);
+    out += to_string(*cuda);
+  }
   std::cout << out;
 }
 

@@ -7,6 +7,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "trainmem/cuda_predict.h"
+
 namespace trainmem::cli {
 
 struct ModelFileFlags {
@@ -20,9 +22,12 @@ void add_model_file_flags(CLI::App& sub, ModelFileFlags& flags);
 
 /// `trainmem estimate --model FILE`: parameters, static bytes per precision
 /// recipe and per rank (ZeRO), activation bytes of a (batch, seq_len)
-/// micro-batch (exact on meta, fp32) and the fp32 AdamW step peak. Throws
-/// UsageError (exit 2) naming the key and value of a bad config or flag.
-void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_len, bool json);
+/// micro-batch (exact on meta, fp32) and the fp32 AdamW step peak; with
+/// `cuda`, also the step's predicted CUDA max_memory_allocated / reserved on
+/// `device` (cuda_predict.h). Throws UsageError (exit 2) naming the key and
+/// value of a bad config or flag.
+void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_len, bool json,
+                        const CudaPredictOptions* cuda = nullptr, const std::string& device = "cpu");
 
 /// `trainmem plan --model FILE --budget B`: the model's checkpoint plan for a
 /// fp32 AdamW step of a (batch, seq_len) micro-batch, planned on meta
