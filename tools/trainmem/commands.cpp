@@ -124,6 +124,10 @@ Estimate estimate(const AuditFlags& f) {
 // estimate is static + activations (the step's peak is within a few percent
 // of it); with checkpointing only one block's activations are counted, a
 // figure below the peak, so a run that fits is never refused.
+// With --nproc every rank is a process of its own on this host: each holds
+// the static bytes, its shard's activations and (without
+// --gradient-as-bucket-view) DDP's copy of the gradients, so the need is
+// nproc times that.
 void check_memory_fits(const AuditFlags& f) {
   if (f.force || !c10::Device(f.device).is_cpu()) {
     return;
@@ -132,16 +136,23 @@ void check_memory_fits(const AuditFlags& f) {
   if (!available) {
     return;
   }
-  const Estimate e = estimate(f);
+  AuditFlags shard = f;
+  const int64_t ranks = f.nproc > 1 && f.model.batch % f.nproc == 0 ? f.nproc : 1;
+  shard.model.batch = f.model.batch / ranks;
+  const Estimate e = estimate(shard);
   const bool whole = f.checkpoint == "none";
-  const int64_t need = e.static_bytes + (whole ? e.activation_bytes : e.activation_bytes / f.model.layers);
+  const int64_t buckets = ranks > 1 && !f.gradient_as_bucket_view ? e.buckets[1].second : 0;  // a gradient copy
+  const int64_t per_rank =
+      e.static_bytes + buckets + (whole ? e.activation_bytes : e.activation_bytes / f.model.layers);
+  const int64_t need = ranks * per_rank;
   if (need > *available) {
     throw CheckFailed(fmt::format(
-        "not enough memory: this audit needs about {} B ({}: {} static + {} of activations{}), but only {} B "
+        "not enough memory: this audit needs about {} B ({}: {}{} static{} + {} of activations{}{}), but only {} B "
         "({}) is available; shrink the model or batch, use --checkpoint, or pass --force to run anyway",
-        with_commas(need), human_bytes(need), with_commas(e.static_bytes),
-        with_commas(need - e.static_bytes), whole ? "" : ", one block's", with_commas(*available),
-        human_bytes(*available)));
+        with_commas(need), human_bytes(need), ranks > 1 ? fmt::format("{} ranks x (", ranks) : "",
+        with_commas(e.static_bytes), buckets > 0 ? fmt::format(" + {} DDP buckets", with_commas(buckets)) : "",
+        with_commas(per_rank - e.static_bytes - buckets), whole ? "" : ", one block's",
+        ranks > 1 ? ")" : "", with_commas(*available), human_bytes(*available)));
   }
 }
 
@@ -258,6 +269,7 @@ void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
   std::optional<OutputFile> html, trace;
   if (!f.html.empty()) html.emplace(f.html);
   if (!f.trace.empty()) trace.emplace(f.trace);
+  check_memory_fits(f);
   if (show_progress()) {
     std::cerr << fmt::format("trainmem: {} ranks, {} steps each\n", f.nproc, f.steps);
   }
