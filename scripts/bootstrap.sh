@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 log() { echo "bootstrap: $*" >&2; }
 
 packages=(cmake ninja-build g++ make python3-venv libgtest-dev libgmock-dev
-          libbenchmark-dev nlohmann-json3-dev libcli11-dev ccache)
+          libbenchmark-dev nlohmann-json3-dev libcli11-dev ccache libgloo-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

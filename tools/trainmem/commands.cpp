@@ -15,6 +15,9 @@
 #include "trainmem/accountant.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/device.h"
+#ifdef TRAINMEM_WITH_DISTRIBUTED
+#include "trainmem/distributed_trainer.h"
+#endif
 #include "trainmem/report.h"
 #include "trainmem/trainer.h"
 #include "trainmem/transformer.h"
@@ -47,6 +50,13 @@ struct AuditFlags {
   bool no_timeline = false;
   bool force = false;
   std::string html, trace, snapshot;
+  // Data-parallel ranks (--nproc N; distributed_trainer.h).
+  int64_t nproc = 1;
+  double bucket_cap_mb = 25;
+  bool gradient_as_bucket_view = false;
+  int64_t timeout_s = 60;
+  int64_t fail_rank = -1;
+  std::string fail_mode = "kill";
   bool tf32 = false;
   // estimate --device cuda: the caching allocator's settings and cuBLAS's workspace.
   std::string alloc_conf;
@@ -65,6 +75,8 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
       ->check(int_in(1, kMaxBatch))
       ->capture_default_str();
 }
+
+void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t);
 
 // Bytes per element of parameters/gradients and of optimizer state.
 int64_t element_bytes(const std::string& precision) {
@@ -112,6 +124,10 @@ Estimate estimate(const AuditFlags& f) {
 // estimate is static + activations (the step's peak is within a few percent
 // of it); with checkpointing only one block's activations are counted, a
 // figure below the peak, so a run that fits is never refused.
+// With --nproc every rank is a process of its own on this host: each holds
+// the static bytes, its shard's activations and (without
+// --gradient-as-bucket-view) DDP's copy of the gradients, so the need is
+// nproc times that.
 void check_memory_fits(const AuditFlags& f) {
   if (f.force || !c10::Device(f.device).is_cpu()) {
     return;
@@ -120,16 +136,23 @@ void check_memory_fits(const AuditFlags& f) {
   if (!available) {
     return;
   }
-  const Estimate e = estimate(f);
+  AuditFlags shard = f;
+  const int64_t ranks = f.nproc > 1 && f.model.batch % f.nproc == 0 ? f.nproc : 1;
+  shard.model.batch = f.model.batch / ranks;
+  const Estimate e = estimate(shard);
   const bool whole = f.checkpoint == "none";
-  const int64_t need = e.static_bytes + (whole ? e.activation_bytes : e.activation_bytes / f.model.layers);
+  const int64_t buckets = ranks > 1 && !f.gradient_as_bucket_view ? e.buckets[1].second : 0;  // a gradient copy
+  const int64_t per_rank =
+      e.static_bytes + buckets + (whole ? e.activation_bytes : e.activation_bytes / f.model.layers);
+  const int64_t need = ranks * per_rank;
   if (need > *available) {
     throw CheckFailed(fmt::format(
-        "not enough memory: this audit needs about {} B ({}: {} static + {} of activations{}), but only {} B "
+        "not enough memory: this audit needs about {} B ({}: {}{} static{} + {} of activations{}{}), but only {} B "
         "({}) is available; shrink the model or batch, use --checkpoint, or pass --force to run anyway",
-        with_commas(need), human_bytes(need), with_commas(e.static_bytes),
-        with_commas(need - e.static_bytes), whole ? "" : ", one block's", with_commas(*available),
-        human_bytes(*available)));
+        with_commas(need), human_bytes(need), ranks > 1 ? fmt::format("{} ranks x (", ranks) : "",
+        with_commas(e.static_bytes), buckets > 0 ? fmt::format(" + {} DDP buckets", with_commas(buckets)) : "",
+        with_commas(per_rank - e.static_bytes - buckets), whole ? "" : ", one block's",
+        ranks > 1 ? ")" : "", with_commas(*available), human_bytes(*available)));
   }
 }
 
@@ -150,6 +173,10 @@ void run_audit(const AuditFlags& f) {
       .seed(f.seed)
       .timeline(!f.no_timeline)
       .tf32(f.tf32);
+  if (f.nproc != 1) {
+    run_audit_distributed(f, o);
+    return;
+  }
   try {
     check_trainer_options(o);
   } catch (const c10::Error& e) {
@@ -203,6 +230,66 @@ void run_audit(const AuditFlags& f) {
   if (num_stdout == 0) {  // "-": that file is stdout's one document
     std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
   }
+}
+
+// `trainmem audit --nproc N`: N local ranks on Gloo, one report from rank 0.
+void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
+#ifdef TRAINMEM_WITH_DISTRIBUTED
+  if (!f.snapshot.empty()) {
+    throw UsageError("--snapshot is per process; with --nproc use --trace (one process per rank)");
+  }
+  if (!(f.bucket_cap_mb > 0)) {
+    throw UsageError(fmt::format("expected --bucket-cap-mb > 0, but got {}", f.bucket_cap_mb));
+  }
+  if (f.timeout_s < 1) {
+    throw UsageError(fmt::format("expected --timeout >= 1 second, but got {}", f.timeout_s));
+  }
+  const auto cap = static_cast<int64_t>(f.bucket_cap_mb * 1024 * 1024);
+  auto o = DistributedTrainerOptions()
+               .trainer(t)
+               .nproc(f.nproc)
+               .timeout_ms(f.timeout_s * 1000)
+               .fail_rank(f.fail_rank)
+               .fail_mode(f.fail_mode)
+               // DDP: a 1 MiB first bucket only while the cap is the default.
+               .data_parallel(DataParallelOptions()
+                                  .bucket_cap_bytes(cap)
+                                  .first_bucket_cap_bytes(f.bucket_cap_mb == 25 ? 1024 * 1024 : cap)
+                                  .gradient_as_bucket_view(f.gradient_as_bucket_view));
+  try {
+    check_distributed_trainer_options(o);
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+  // As run_audit: outputs opened before the ranks start (OutputFile), "-" is stdout.
+  const int num_stdout = (f.html == "-" ? 1 : 0) + (f.trace == "-" ? 1 : 0);
+  if (num_stdout > 1 || (num_stdout == 1 && f.json)) {
+    throw UsageError("expected at most one document on stdout: one of --html -, --trace -, --json");
+  }
+  std::optional<OutputFile> html, trace;
+  if (!f.html.empty()) html.emplace(f.html);
+  if (!f.trace.empty()) trace.emplace(f.trace);
+  check_memory_fits(f);
+  if (show_progress()) {
+    std::cerr << fmt::format("trainmem: {} ranks, {} steps each\n", f.nproc, f.steps);
+  }
+  const auto run = train_distributed(o);
+  if (html) {
+    html->commit(to_html(run.report));
+    std::cerr << "trainmem: wrote " << f.html << "\n";
+  }
+  if (trace) {
+    trace->commit(to_chrome_trace(run.report));
+    std::cerr << "trainmem: wrote " << f.trace << "\n";
+  }
+  if (num_stdout == 0) {
+    std::cout << (f.json ? to_json(run.report) + "\n" : to_text(run.report));
+  }
+#else
+  (void)t;
+  throw UsageError(fmt::format("--nproc {}: this trainmem was built without distributed audits "
+                               "(configure with gloo's headers, Debian libgloo-dev)", f.nproc));
+#endif
 }
 
 // estimate --device cuda: the step (forward, loss, backward, optimizer step)
@@ -355,6 +442,19 @@ void add_audit_command(CLI::App& app) {
   sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE (- for stdout)")
       ->check(output_path());
   sub->add_flag("--no-timeline", f->no_timeline, "do not record allocator events (CPU)");
+  sub->add_option("--nproc", f->nproc, "data-parallel ranks: local processes on Gloo, the batch split across them")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->capture_default_str();
+  sub->add_option("--bucket-cap-mb", f->bucket_cap_mb, "DDP bucket cap in MiB (with --nproc)")->capture_default_str();
+  sub->add_flag("--gradient-as-bucket-view", f->gradient_as_bucket_view,
+                "gradients are views of the DDP buckets (with --nproc)");
+  sub->add_option("--timeout", f->timeout_s, "seconds before a collective or the store gives up (with --nproc)")
+      ->capture_default_str();
+  sub->add_option("--fail-rank", f->fail_rank, "fault injection (with --nproc): this rank fails")
+      ->capture_default_str();
+  sub->add_option("--fail-mode", f->fail_mode, "kill, throw or model (with --fail-rank)")
+      ->check(CLI::IsMember({"kill", "throw", "model"}))
+      ->capture_default_str();
   sub->add_flag("--tf32", f->tf32, "CUDA: allow TF32 in fp32 matmuls and convolutions (recorded in the report)");
   sub->add_flag("--force", f->force, "run even when the estimate exceeds the memory available");
   sub->callback([f] { run_audit(*f); });
