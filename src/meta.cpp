@@ -30,6 +30,7 @@
 #include <torch/serialize/input-archive.h>
 
 #include "detail/intercept.h"
+#include "detail/process_library.h"
 
 // Note [Construction on the meta device]
 // LibTorch modules allocate in reset(), with no device argument. Python's
@@ -441,8 +442,8 @@ void register_missing_meta_kernels() {
     };
     try {
       // Never destroyed: the kernels live as long as the process.
-      auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::Meta, __FILE__,
-                                     __LINE__);
+      auto* lib = &detail::keep_for_process(std::make_unique<torch::Library>(
+          torch::Library::IMPL, "aten", c10::DispatchKey::Meta, __FILE__, __LINE__));
       if (missing("aten::index_select", "")) {
         lib->impl("index_select", TORCH_FN(index_select_meta));
       }

@@ -47,6 +47,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
 #include "trainmem/report.h"
+#include "detail/process_library.h"
 
 namespace trainmem {
 
@@ -218,14 +219,14 @@ void enable_cpu_meta_kernels() {
   static std::string error;
   std::call_once(once, [] {
     try {
-      auto* meta = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::Meta,
-                                      __FILE__, __LINE__);
+      auto* meta = &detail::keep_for_process(std::make_unique<torch::Library>(
+          torch::Library::IMPL, "aten", c10::DispatchKey::Meta, __FILE__, __LINE__));
       meta->impl("_scaled_dot_product_flash_attention_for_cpu", &flash_cpu_meta);
       meta->impl("_scaled_dot_product_flash_attention_for_cpu_backward", &flash_cpu_backward_meta);
       meta->impl("native_layer_norm", &layer_norm_meta);
       meta->impl("native_layer_norm_backward", &layer_norm_backward_meta);
-      auto* autograd = new torch::Library(torch::Library::IMPL, "aten",
-                                          c10::DispatchKey::AutogradMeta, __FILE__, __LINE__);
+      auto* autograd = &detail::keep_for_process(std::make_unique<torch::Library>(
+          torch::Library::IMPL, "aten", c10::DispatchKey::AutogradMeta, __FILE__, __LINE__));
       autograd->impl("scaled_dot_product_attention", &sdpa_meta);
     } catch (const std::exception& e) {
       error = e.what();

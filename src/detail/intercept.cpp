@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "detail/process_library.h"
+
 namespace trainmem::detail {
 namespace {
 
@@ -33,7 +35,8 @@ void register_intercept_fallback() {
   std::call_once(once, [] {
     try {
       // Never destroyed: the registration lives as long as the process.
-      auto* library = new torch::Library(torch::Library::IMPL, "_", kInterceptKey, __FILE__, __LINE__);
+      auto* library = &keep_for_process(
+          std::make_unique<torch::Library>(torch::Library::IMPL, "_", kInterceptKey, __FILE__, __LINE__));
       library->fallback(torch::CppFunction::makeFromBoxedFunction<&intercept_fallback>());
     } catch (const std::exception& e) {
       error = e.what();
