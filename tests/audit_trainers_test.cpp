@@ -707,7 +707,14 @@ TEST(AuditTrainersTest, EventLogIsCappedInsideAStepAndMemoryStaysFlat) {
   train(500);
   const int64_t after = rss_kb();
   EXPECT_EQ(static_cast<int64_t>(audit.timeline().events.size()), kCap);
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer keeps freed blocks in its quarantine (256 MB by default):
+  // RSS grows under it whatever the audit does; the event cap is checked above.
+  (void)before;
+  (void)after;
+#else
   EXPECT_LT(after - before, 2048) << "RSS grew by " << after - before << " kB over 500 steps past the cap";
+#endif
 }
 
 TEST(AuditTrainersTest, LongRunsAreSummarizedNotListed) {
