@@ -12,27 +12,12 @@
 #include "trainmem/distributed.h"
 
 #include "detail/distributed_json.h"
+#include "detail/text.h"
 
 namespace trainmem {
 namespace {
 
 using Json = nlohmann::ordered_json;
-
-std::string escape(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
 
 // The phase of the highest peak of the rank's steps.
 std::string peak_phase(const AuditReport& r) {
@@ -264,13 +249,13 @@ std::string to_html(const DistributedReport& r) {
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
       "style-src 'unsafe-inline'; img-src data:\">\n";
-  h += fmt::format("<title>trainmem audit: {} ({} ranks)</title>\n", escape(r.title), r.world_size);
+  h += fmt::format("<title>trainmem audit: {} ({} ranks)</title>\n", detail::html_escape(r.title), r.world_size);
   h += "<style>body{font:14px sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0 20px}"
        "td,th{border:1px solid #ccc;padding:3px 8px}td.n{text-align:right;font-family:monospace}"
        ".ranks{display:flex;gap:16px;align-items:flex-start;overflow-x:auto}"
        ".rank{border:1px solid #ccc;padding:8px;min-width:280px}.worst{border-color:#e15759}</style>\n"
        "</head>\n<body>\n";
-  h += fmt::format("<h1>{}: {} ranks ({})</h1>\n", escape(r.title), r.world_size, escape(r.backend));
+  h += fmt::format("<h1>{}: {} ranks ({})</h1>\n", detail::html_escape(r.title), r.world_size, detail::html_escape(r.backend));
   h += "<table>\n<tr><th>rank</th><th>static B</th><th>comm buffers B</th><th>saved B</th><th>peak B</th>"
        "<th>peak phase</th><th>last step ms</th></tr>\n";
   for (const auto& k : r.ranks) {
@@ -287,12 +272,12 @@ std::string to_html(const DistributedReport& r) {
                    r.worst_rank());
   if (r.predicted_static_per_rank_bytes >= 0) {
     h += fmt::format("<p>predicted static bytes per rank (accountant, ZeRO-0): {} B</p>\n<pre>{}</pre>\n",
-                     with_commas(r.predicted_static_per_rank_bytes), escape(r.prediction));
+                     with_commas(r.predicted_static_per_rank_bytes), detail::html_escape(r.prediction));
   }
   if (!r.disagreements.empty()) {
     h += "<h2>Ranks that disagree on the model</h2>\n<ul>\n";
     for (const auto& d : r.disagreements) {
-      h += "<li>" + escape(d) + "</li>\n";
+      h += "<li>" + detail::html_escape(d) + "</li>\n";
     }
     h += "</ul>\n";
   }
@@ -325,7 +310,7 @@ std::string to_html(const DistributedReport& r) {
     }
     h += "<table>\n";
     for (const auto& b : a.buckets) {
-      h += fmt::format("<tr><td>{}</td><td class=\"n\">{}</td></tr>\n", escape(b.name), with_commas(b.bytes));
+      h += fmt::format("<tr><td>{}</td><td class=\"n\">{}</td></tr>\n", detail::html_escape(b.name), with_commas(b.bytes));
     }
     h += fmt::format("<tr><td>communication buffers ({} buckets)</td><td class=\"n\">{}</td></tr>\n",
                      k.bucket_bytes.size(), with_commas(k.communication_bytes));
@@ -339,7 +324,7 @@ std::string to_html(const DistributedReport& r) {
   if (!r.notes.empty()) {
     h += "<h2>Notes</h2>\n<ul>\n";
     for (const auto& n : r.notes) {
-      h += "<li>" + escape(n) + "</li>\n";
+      h += "<li>" + detail::html_escape(n) + "</li>\n";
     }
     h += "</ul>\n";
   }

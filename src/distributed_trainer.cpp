@@ -32,22 +32,10 @@
 #include "trainmem/allocator.h"
 
 #include "detail/checkpoint_state.h"
+#include "detail/text.h"
 
 namespace trainmem {
 namespace {
-
-using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
-
-// As trainer.cpp's: the same optimizers under the same names.
-OptimizerPtr make_optimizer(const std::string& name, std::vector<at::Tensor> params, double lr) {
-  if (name == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(lr));
-  }
-  if (name == "adam") {
-    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
-  }
-  return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(lr).momentum(0.9));
-}
 
 constexpr const char* kReportKey = "trainmem/report";
 constexpr const char* kGradsKey = "trainmem/grads";
@@ -159,7 +147,7 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
                          .clone();
   const int64_t shard_batch = mo.batch() / world;
 
-  auto optimizer = make_optimizer(t.optimizer(), model->parameters(), t.lr());
+  auto optimizer = detail::make_optimizer(t.optimizer(), model->parameters(), t.lr());
   DataParallel ddp(*model, pg, o.data_parallel());
   DistributedAudit audit(*model, optimizer.get(), pg, c10::Device(c10::kCPU),
                          AuditOptions().title("reference transformer").timeline(t.timeline()));

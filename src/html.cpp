@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "trainmem/report.h"
+#include "detail/text.h"
 
 // Note [Self-contained HTML]
 // Users open these reports on air-gapped clusters and attach them to
@@ -35,22 +36,6 @@ const char* phase_colour(Phase p) {
     case Phase::kOptimizerStep: return "#dff0d8";
   }
   return "#eeeeee";
-}
-
-std::string escape(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return out;
 }
 
 // `with_baseline` false: the "before the audit" bytes are left out and the
@@ -86,7 +71,7 @@ std::string svg_plot(const AuditReport& r, bool with_baseline) {
     svg += fmt::format(
         "<rect x=\"{:.1f}\" y=\"{}\" width=\"{:.1f}\" height=\"{}\" fill=\"{}\">"
         "<title>step {} {}: peak {} B</title></rect>\n",
-        a, kTop, b - a, ph, phase_colour(p.phase), p.step, escape(span_label(p)), with_commas(p.peak_bytes));
+        a, kTop, b - a, ph, phase_colour(p.phase), p.step, detail::html_escape(span_label(p)), with_commas(p.peak_bytes));
   }
   // One polygon per category between the cumulative sums below and above it.
   std::vector<double> below(r.series.size(), 0.0);
@@ -119,7 +104,7 @@ std::string svg_plot(const AuditReport& r, bool with_baseline) {
     svg += fmt::format(
         "<line x1=\"{}\" x2=\"{}\" y1=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#999\" stroke-width=\"0.5\"/>"
         "<text x=\"{}\" y=\"{:.1f}\" font-size=\"11\" text-anchor=\"end\">{}</text>\n",
-        kLeft, kLeft + pw, y(b), y(b), kLeft - 6, y(b) + 4, escape(human_bytes(static_cast<int64_t>(b))));
+        kLeft, kLeft + pw, y(b), y(b), kLeft - 6, y(b) + 4, detail::html_escape(human_bytes(static_cast<int64_t>(b))));
   }
   for (int i = 0; i <= 4; ++i) {
     const double t = t0 + (t1 - t0) * i / 4.0;
@@ -153,17 +138,17 @@ std::string to_html(const AuditReport& r) {
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
       "style-src 'unsafe-inline'; img-src data:\">\n";
-  h += fmt::format("<title>trainmem audit: {}</title>\n", escape(r.title));
+  h += fmt::format("<title>trainmem audit: {}</title>\n", detail::html_escape(r.title));
   h += "<style>body{font:14px sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0 20px}"
        "td,th{border:1px solid #ccc;padding:3px 8px}td.n{text-align:right;font-family:monospace}"
        ".legend span{margin-right:12px}.legend i{display:inline-block;width:12px;height:12px;margin-right:4px;"
        "vertical-align:middle}#hide-baseline:checked~.with-baseline{display:none}"
        "#hide-baseline:not(:checked)~.without-baseline{display:none}</style>\n</head>\n<body>\n";
-  h += fmt::format("<h1>trainmem audit: {} on {}</h1>\n", escape(r.title), escape(r.device));
+  h += fmt::format("<h1>trainmem audit: {} on {}</h1>\n", detail::html_escape(r.title), detail::html_escape(r.device));
   if (!r.config.empty()) {
     h += "<p>";
     for (const auto& [k, v] : r.config) {
-      h += fmt::format("<code>{}={}</code> ", escape(k), escape(v));
+      h += fmt::format("<code>{}={}</code> ", detail::html_escape(k), detail::html_escape(v));
     }
     h += "</p>\n";
   }
@@ -186,7 +171,7 @@ std::string to_html(const AuditReport& r) {
   h += fmt::format("<h2>Static buckets ({} parameters)</h2>\n<table>\n", with_commas(r.num_params));
   h += row({"bucket", "category", "bytes", ""}, true);
   for (const auto& b : r.buckets) {
-    h += "<tr><td>" + escape(b.name) + "</td><td>" + category_name(b.category) + "</td>" + num(b.bytes) +
+    h += "<tr><td>" + detail::html_escape(b.name) + "</td><td>" + category_name(b.category) + "</td>" + num(b.bytes) +
          "<td>" + human_bytes(b.bytes) + "</td></tr>\n";
   }
   h += "<tr><th>total</th><td></td>" + num(r.static_bytes()) + "<td>" + human_bytes(r.static_bytes()) +
@@ -239,7 +224,7 @@ std::string to_html(const AuditReport& r) {
   const size_t top = std::min<size_t>(r.saved_by_node.size(), 15);
   for (size_t i = 0; i < top; ++i) {
     const auto& n = r.saved_by_node[i];
-    h += "<tr><td>" + escape(n.node) + "</td>" + num(n.bytes) + num(n.num_tensors) + "</tr>\n";
+    h += "<tr><td>" + detail::html_escape(n.node) + "</td>" + num(n.bytes) + num(n.num_tensors) + "</tr>\n";
   }
   h += "</table>\n";
   if (r.predicted_activation_bytes > 0) {
@@ -249,7 +234,7 @@ std::string to_html(const AuditReport& r) {
   }
 
   const auto& d = r.device_stats;
-  h += fmt::format("<h2>Device {}</h2>\n<table>\n", escape(d.device));
+  h += fmt::format("<h2>Device {}</h2>\n<table>\n", detail::html_escape(d.device));
   h += row({"", "now B", "peak B"}, true);
   h += "<tr><td>allocated</td>" + num(d.allocated_bytes) + num(d.peak_allocated_bytes) + "</tr>\n";
   h += "<tr><td>reserved</td>" + num(d.reserved_bytes) + num(d.peak_reserved_bytes) + "</tr>\n";
@@ -260,10 +245,10 @@ std::string to_html(const AuditReport& r) {
   if (!r.fragmentation.hints.empty() || !r.notes.empty()) {
     h += "<ul>\n";
     for (const auto& hint : r.fragmentation.hints) {
-      h += "<li>hint: " + escape(hint) + "</li>\n";
+      h += "<li>hint: " + detail::html_escape(hint) + "</li>\n";
     }
     for (const auto& n : r.notes) {
-      h += "<li>note: " + escape(n) + "</li>\n";
+      h += "<li>note: " + detail::html_escape(n) + "</li>\n";
     }
     h += "</ul>\n";
   }

@@ -22,21 +22,12 @@
 #include "trainmem/selective.h"
 
 #include "detail/checkpoint_state.h"
+#include "detail/text.h"
 
 namespace trainmem {
 namespace {
 
 using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
-
-OptimizerPtr make_optimizer(const std::string& name, std::vector<at::Tensor> params, double lr) {
-  if (name == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(lr));
-  }
-  if (name == "adam") {
-    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
-  }
-  return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(lr).momentum(0.9));
-}
 
 } // namespace
 
@@ -129,10 +120,10 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
     const auto name = o.optimizer();
     const double lr = o.lr();
     in_backward = std::make_unique<OptimizerInBackward>(
-        model->parameters(), [name, lr](std::vector<at::Tensor> p) { return make_optimizer(name, std::move(p), lr); },
+        model->parameters(), [name, lr](std::vector<at::Tensor> p) { return detail::make_optimizer(name, std::move(p), lr); },
         k);
   } else {
-    optimizer = make_optimizer(o.optimizer(), model->parameters(), o.lr());
+    optimizer = detail::make_optimizer(o.optimizer(), model->parameters(), o.lr());
   }
 
   Audit audit(*model, optimizer.get(), device, AuditOptions().title("reference transformer").timeline(o.timeline()));
@@ -229,3 +220,18 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
 }
 
 } // namespace trainmem
+
+namespace trainmem::detail {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
+                                                        double lr) {
+  if (name == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(lr));
+  }
+  if (name == "adam") {
+    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
+  }
+  return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(lr).momentum(0.9));
+}
+
+} // namespace trainmem::detail
