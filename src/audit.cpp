@@ -767,31 +767,29 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
 
 namespace {
 
-std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn) {
+// Calls `f` on every live watcher of this thread. A RecordFunction callback
+// must not throw into the op it observes: a failure only costs the phase.
+template <typename F>
+void for_each_watcher(F f) noexcept {
   try {
     for (const auto& w : tls_watchers) {
       if (auto impl = w.lock()) {
-        impl->watch_start(fn);
+        f(*impl);
       }
     }
   } catch (const std::exception& e) {
     TORCH_WARN("trainmem::Audit: could not follow an op's phase: ", e.what());
   } catch (...) {
   }
+}
+
+std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn) {
+  for_each_watcher([&](auto& impl) { impl.watch_start(fn); });
   return nullptr;
 }
 
 void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*) {
-  try {
-    for (const auto& w : tls_watchers) {
-      if (auto impl = w.lock()) {
-        impl->watch_end(fn);
-      }
-    }
-  } catch (const std::exception& e) {
-    TORCH_WARN("trainmem::Audit: could not follow an op's phase: ", e.what());
-  } catch (...) {
-  }
+  for_each_watcher([&](auto& impl) { impl.watch_end(fn); });
 }
 
 } // namespace

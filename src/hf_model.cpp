@@ -480,9 +480,7 @@ HfModel build_hf_model(const HfConfig& config) {
 
 RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len) {
   TORCH_CHECK(model.module != nullptr, "hf_region_model: no module (build it with build_hf_model)");
-  const int64_t positions = model.config.architecture == HfArchitecture::kGPT2
-                                ? gpt_options(model.config).context_length()
-                                : llama_options(model.config).max_positions();
+  const int64_t positions = model.config.max_positions;  // both option sets take it from here
   TORCH_CHECK(batch >= 1, "hf_region_model: expected a batch >= 1, but got ", batch);
   TORCH_CHECK(seq_len >= 2 && seq_len <= positions, "hf_region_model: expected a sequence length in [2, ",
               positions, "], but got ", seq_len);
