@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -1211,44 +1212,125 @@ void raise_peak(DpState& state, int64_t bytes, StepPhase at) {
   }
 }
 
-// Pareto pruning: drops each state that another matches or beats in stored,
-// cost and peak. Sorted by stored, a state is dominated exactly when an
-// earlier one has cost and peak no higher; the kept (cost, peak) pairs form a
-// staircase (peak falling as cost rises), so that is one lookup: O(n log n).
-std::vector<DpState> prune_states_of(std::vector<DpState> next) {
-  std::sort(next.begin(), next.end(), [](const DpState& a, const DpState& b) {
-    return std::tie(a.stored, a.cost, a.peak) < std::tie(b.stored, b.cost, b.peak);
-  });
-  std::map<double, int64_t> stairs;  // cost -> smallest peak at that cost or less
+// What a dynamic program over block boundaries minimises (Note [Two 2-D
+// dynamic programs]).
+enum class DpGoal {
+  kPeak,  // the step's peak
+  kCost,  // the recompute cost within a budget, ties to the smaller peak
+};
+
+// Drops each state another beats for `goal`. Sorted by stored (then the
+// goal's key), a state is dominated exactly when an earlier one is no worse
+// in the goal's (primary, secondary) order: one pass, O(n log n).
+//   kPeak: (peak), stored no higher and peak no higher;
+//   kCost: (cost, peak), stored no higher and cost lower, or equal with a
+//          peak no higher.
+std::vector<DpState> prune_states_of(std::vector<DpState> next, DpGoal goal) {
+  auto key = [goal](const DpState& a) {
+    return goal == DpGoal::kPeak ? std::make_tuple(a.stored, static_cast<double>(a.peak), a.cost)
+                                 : std::make_tuple(a.stored, a.cost, static_cast<double>(a.peak));
+  };
+  std::sort(next.begin(), next.end(), [&](const DpState& a, const DpState& b) { return key(a) < key(b); });
   std::vector<DpState> kept;
+  double best_primary = std::numeric_limits<double>::infinity();
+  int64_t best_peak = std::numeric_limits<int64_t>::max();  // kCost: least peak at best_primary
   for (const auto& n : next) {
-    auto it = stairs.upper_bound(n.cost);
-    if (it != stairs.begin() && std::prev(it)->second <= n.peak) {
-      continue;  // dominated
+    if (goal == DpGoal::kPeak) {
+      if (best_peak <= n.peak) {
+        continue;
+      }
+      best_peak = n.peak;
+    } else {
+      if (best_primary < n.cost || (best_primary == n.cost && best_peak <= n.peak)) {
+        continue;
+      }
+      if (n.cost < best_primary) {
+        best_primary = n.cost;
+        best_peak = n.peak;
+      } else {
+        best_peak = std::min(best_peak, n.peak);
+      }
     }
     kept.push_back(n);
-    auto [pos, inserted] = stairs.insert_or_assign(n.cost, n.peak);
-    auto next_it = std::next(pos);
-    while (next_it != stairs.end() && next_it->second >= n.peak) {
-      next_it = stairs.erase(next_it);
-    }
   }
   return kept;
 }
 
-// Pareto pruning within each value of `counted`: a state whose boundary
-// storage is counted already and one where it is not differ in what the next
-// region adds, so neither dominates the other by (stored, cost, peak) alone.
-std::vector<DpState> prune_states(std::vector<DpState> next) {
+// Pruning within each value of `counted`: a state whose boundary storage is
+// counted already and one where it is not differ in what the next region
+// adds, so neither dominates the other by stored bytes alone.
+std::vector<DpState> prune_states(std::vector<DpState> next, DpGoal goal) {
   std::vector<DpState> yes, no;
   for (auto& n : next) {
     (n.counted ? yes : no).push_back(std::move(n));
   }
-  auto kept = prune_states_of(std::move(yes));
-  for (auto& n : prune_states_of(std::move(no))) {
+  auto kept = prune_states_of(std::move(yes), goal);
+  for (auto& n : prune_states_of(std::move(no), goal)) {
     kept.push_back(std::move(n));
   }
   return kept;
+}
+
+// Keeps `n` states of a pruned set (sorted by stored within each value of
+// `counted`), evenly spaced, both ends kept: a beam, for bounds only.
+void thin_states(std::vector<DpState>& states, size_t n) {
+  std::vector<DpState> kept;
+  kept.reserve(n + 2);
+  const size_t size = states.size();
+  for (size_t j = 0; j < n; ++j) {
+    kept.push_back(states[j * (size - 1) / (n - 1)]);
+  }
+  states = std::move(kept);
+}
+
+// Note [Bucketed boundaries]
+// A boundary's staircase of (stored, cost) states can grow to hundreds of
+// thousands (LLaMA-2-7B with selective candidates: 34 regions of dozens of
+// choices each). Beyond kMaxBoundaryStates states (per value of `counted`),
+// stored bytes are cut into that many buckets of g bytes, and each bucket
+// keeps its cheapest state (ties: the smaller peak). The state it drops
+// stores at most g bytes less, so its plans' peaks are at most g lower: with
+// B the sum of the g's over the boundaries (CheckpointPlan::bucket_bytes),
+// the chosen plan costs no more than the cheapest plan with a peak within
+// budget - B. Its own peak and bytes are still exact, and the answer is
+// exact (B = 0) while every boundary stays under the cap.
+constexpr size_t kMaxBoundaryStates = 4096;
+
+// Buckets a pruned set (Note [Bucketed boundaries]); returns g (0: untouched).
+int64_t bucket_states(std::vector<DpState>& states, size_t cap) {
+  int64_t width = 0;
+  std::vector<DpState> kept;
+  for (const bool counted : {true, false}) {
+    std::vector<DpState> cls;
+    for (const auto& st : states) {
+      if (st.counted == counted) {
+        cls.push_back(st);
+      }
+    }
+    if (cls.size() <= cap) {
+      kept.insert(kept.end(), cls.begin(), cls.end());
+      continue;
+    }
+    int64_t lo = cls.front().stored, hi = lo;
+    for (const auto& st : cls) {
+      lo = std::min(lo, st.stored);
+      hi = std::max(hi, st.stored);
+    }
+    const int64_t g = (hi - lo) / static_cast<int64_t>(cap) + 1;
+    width = std::max(width, g);
+    std::map<int64_t, DpState> buckets;
+    for (const auto& st : cls) {
+      auto [it, inserted] = buckets.emplace((st.stored - lo) / g, st);
+      if (!inserted && std::tie(st.cost, st.peak) < std::tie(it->second.cost, it->second.peak)) {
+        it->second = st;
+      }
+    }
+    for (auto& [b, st] : buckets) {
+      kept.push_back(st);
+    }
+  }
+  states = std::move(kept);
+  return width;
 }
 
 std::string plan_name(const std::vector<BlockChoice>& blocks) {
@@ -1749,82 +1831,168 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
 
   // The dynamic program over region boundaries: layers[i] holds the states
   // after regions 0 .. i - 1; a segment of k regions moves from i to i + k.
-  std::vector<std::vector<DpState>> layers(L + 1);
-  layers[0].push_back(DpState{});
-  std::vector<std::vector<DpState>> incoming(L + 1);
-  int64_t num_candidates = 0;
-  for (int64_t i = 0; i < L; ++i) {
-    if (i > 0) {
-      layers[i] = prune_states(std::move(incoming[i]));
-    }
+  // Under DpGoal::kCost, a state is dropped when its peak exceeds `limit`
+  // (a peak only rises), when even the fewest bytes the remaining regions
+  // can store would take it over `limit` (the loss head's backward sees them
+  // all), or when it costs more than `max_cost`, the cost of a whole plan
+  // known to fit (a cost only rises). finals: the states after the loss head
+  // and the optimizer step.
+  std::vector<int64_t> least_stored_after(L + 1, 0);  // the fewest bytes regions >= i add
+  for (int64_t i = L - 1; i >= 0; --i) {
+    int64_t least = std::numeric_limits<int64_t>::max();
     for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
-      const auto c = choices(i, k);
-      num_candidates += static_cast<int64_t>(c.size());
-      for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
-        const auto& st = layers[i][s];
-        for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
-          const auto& prof = *c[opt];
-          const auto& ch = prof.choice;
-          // Region 0's input is the step's input, already in Z; a later
-          // region's input may be in st.stored already (Note [Boundary storages]).
-          const int64_t stored = ch.stored_bytes + ch.rng_state_bytes -
-              (st.counted && prof.in_kept ? prof.in_bytes : 0);
-          const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
-              (st.counted ? prof.in_bytes : 0);
-          const int64_t bwd = Z + st.stored + stored + grads_after[i + k] + ch.backward_transient_bytes;
-          DpState n;
-          n.stored = st.stored + stored;
-          n.cost = st.cost + ch.recompute_cost;
-          n.peak = st.peak;
-          n.phase = st.phase;
-          raise_peak(n, fwd, StepPhase::kForward);
-          raise_peak(n, bwd, StepPhase::kBackward);
-          n.parent = s;
-          n.option = opt;
-          n.region = k;
-          n.counted = prof.out_aliases_in ? (st.counted || prof.in_kept) : prof.out_kept;
-          incoming[i + k].push_back(n);
-        }
+      for (const auto* prof : choices(i, k)) {
+        const auto& ch = prof->choice;
+        const int64_t added = ch.stored_bytes + ch.rng_state_bytes - (prof->in_kept ? prof->in_bytes : 0);
+        least = std::min(least, added + least_stored_after[i + k]);
       }
     }
-    incoming[i].clear();
-    incoming[i].shrink_to_fit();
+    least_stored_after[i] = least;
   }
-  layers[L] = prune_states(std::move(incoming[L]));
-  // Final phases: the loss head and the optimizer step.
-  std::vector<DpState> finals = layers[L];
-  for (auto& f : finals) {
-    const int64_t in_counted = f.counted ? head.in_bytes : 0;
-    const int64_t head_stored = head.stored_bytes - (head.in_kept ? in_counted : 0);
-    raise_peak(f, Z + f.stored + head.forward_peak_bytes - in_counted, StepPhase::kForward);
-    raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes, StepPhase::kBackward);
-    if (has_optimizer) {
-      raise_peak(f, Z + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
+  struct DpRun {
+    std::vector<std::vector<DpState>> layers;
+    std::vector<DpState> finals;
+    int64_t bucket_bytes = 0;  // Note [Bucketed boundaries]
+  };
+  int64_t num_candidates = 0;
+  auto run_dp = [&](DpGoal goal, int64_t limit, double max_cost, size_t beam) {
+    DpRun r;
+    auto& layers = r.layers;
+    layers.resize(L + 1);
+    layers[0].push_back(DpState{});
+    std::vector<std::vector<DpState>> incoming(L + 1);
+    num_candidates = 0;
+    for (int64_t i = 0; i < L; ++i) {
+      if (i > 0) {
+        layers[i] = prune_states(std::move(incoming[i]), goal);
+        if (beam > 0 && layers[i].size() > beam) {
+          thin_states(layers[i], beam);
+        } else if (beam == 0 && goal == DpGoal::kCost) {
+          r.bucket_bytes += bucket_states(layers[i], kMaxBoundaryStates);
+        }
+      }
+      for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
+        const auto c = choices(i, k);
+        num_candidates += static_cast<int64_t>(c.size());
+        for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
+          const auto& st = layers[i][s];
+          for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
+            const auto& prof = *c[opt];
+            const auto& ch = prof.choice;
+            // Region 0's input is the step's input, already in Z; a later
+            // region's input may be in st.stored already (Note [Boundary storages]).
+            const int64_t stored = ch.stored_bytes + ch.rng_state_bytes -
+                (st.counted && prof.in_kept ? prof.in_bytes : 0);
+            const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
+                (st.counted ? prof.in_bytes : 0);
+            const int64_t bwd = Z + st.stored + stored + grads_after[i + k] + ch.backward_transient_bytes;
+            DpState n;
+            n.stored = st.stored + stored;
+            n.cost = st.cost + ch.recompute_cost;
+            n.peak = st.peak;
+            n.phase = st.phase;
+            raise_peak(n, fwd, StepPhase::kForward);
+            raise_peak(n, bwd, StepPhase::kBackward);
+            if (goal == DpGoal::kCost &&
+                (n.peak > limit || n.cost > max_cost || Z + n.stored + least_stored_after[i + k] > limit)) {
+              continue;
+            }
+            n.parent = s;
+            n.option = opt;
+            n.region = k;
+            n.counted = prof.out_aliases_in ? (st.counted || prof.in_kept) : prof.out_kept;
+            incoming[i + k].push_back(n);
+          }
+        }
+      }
+      incoming[i].clear();
+      incoming[i].shrink_to_fit();
     }
-  }
+    layers[L] = prune_states(std::move(incoming[L]), goal);
+    // Final phases: the loss head and the optimizer step.
+    for (auto f : layers[L]) {
+      const int64_t in_counted = f.counted ? head.in_bytes : 0;
+      const int64_t head_stored = head.stored_bytes - (head.in_kept ? in_counted : 0);
+      raise_peak(f, Z + f.stored + head.forward_peak_bytes - in_counted, StepPhase::kForward);
+      raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes, StepPhase::kBackward);
+      if (has_optimizer) {
+        raise_peak(f, Z + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
+      }
+      if (goal == DpGoal::kPeak || f.peak <= limit) {
+        r.finals.push_back(f);
+      }
+    }
+    return r;
+  };
   auto by_cost = [](const DpState& a, const DpState& b) {
     return std::tie(a.cost, a.peak) < std::tie(b.cost, b.peak);
   };
   auto by_peak = [](const DpState& a, const DpState& b) {
     return std::tie(a.peak, a.cost) < std::tie(b.peak, b.cost);
   };
-  const int64_t min_index =
-      std::min_element(finals.begin(), finals.end(), by_peak) - finals.begin();
-  int64_t best = -1;
-  for (int64_t f = 0; f < static_cast<int64_t>(finals.size()); ++f) {
-    if (options.budget_bytes() > 0 && finals[f].peak > options.budget_bytes()) {
-      continue;
+  // Note [Two 2-D dynamic programs]
+  // Every later phase's bytes grow with the stored bytes S_i alone, so what a
+  // boundary state's future can do depends on S_i (and whether its boundary
+  // storage is counted); the peak and cost so far only add. One DP keeping
+  // the (stored, peak, cost) Pareto set is exact but the set grows without
+  // bound (400 layers: 14 s; LLaMA-2-7B with selective candidates: minutes).
+  // Two DPs, each on a 2-D staircase, give the same answers exactly:
+  //   1. the least peak P* (kPeak: a state is beaten by one with stored and
+  //      peak no higher);
+  //   2. the least cost within a limit, ties to the smaller peak (kCost:
+  //      states above the limit dropped, then beaten by one with stored no
+  //      higher and (cost, peak) no higher in that order), run with the
+  //      budget (or no limit) and, for the cost of reaching P*, with P*.
+  // Bounding the cost: whole plans known to fit a limit (the first DP's
+  // final states, then a beam search's, which keeps a few states per
+  // boundary) give the cost no state of the exact DP may exceed; a little
+  // slack, as sums of the same costs in another order may differ in the
+  // last bit. The cheapest plan of all three runs is taken.
+  std::deque<DpRun> runs;
+  const DpRun& least_peak = runs.emplace_back(run_dp(DpGoal::kPeak, 0, 0.0, 0));
+  const int64_t min_peak =
+      std::min_element(least_peak.finals.begin(), least_peak.finals.end(), by_peak)->peak;
+  const int64_t candidates_weighed = num_candidates;
+  struct Pick {
+    const DpRun* run = nullptr;
+    int64_t index = -1;
+    int64_t bucket_bytes = 0;  // of the exact run it was weighed against
+    const DpState& state() const { return run->finals[index]; }
+  };
+  auto cheapest = [&](const std::vector<const DpRun*>& from, int64_t limit) {
+    Pick best;
+    for (const auto* r : from) {
+      for (int64_t f = 0; f < static_cast<int64_t>(r->finals.size()); ++f) {
+        if (r->finals[f].peak <= limit && (best.run == nullptr || by_cost(r->finals[f], best.state()))) {
+          best = {r, f};
+        }
+      }
     }
-    if (best < 0 || by_cost(finals[f], finals[best])) {
-      best = f;
-    }
-  }
-  plan.feasible = best >= 0;
+    return best;
+  };
+  // Fits `limit` (>= min_peak, so the first DP's least-peak plan fits).
+  auto cheapest_within = [&](int64_t limit) {
+    auto slack = [](double c) { return c + 1e-9 * std::abs(c); };
+    const DpRun& beam = runs.emplace_back(
+        run_dp(DpGoal::kCost, limit, slack(cheapest({&least_peak}, limit).state().cost), 16));
+    const double bound = slack(cheapest({&least_peak, &beam}, limit).state().cost);
+    const DpRun& exact = runs.emplace_back(run_dp(DpGoal::kCost, limit, bound, 0));
+    Pick p = cheapest({&least_peak, &beam, &exact}, limit);
+    p.bucket_bytes = exact.bucket_bytes;
+    return p;
+  };
+  const int64_t limit = options.budget_bytes() > 0 ? options.budget_bytes() : std::numeric_limits<int64_t>::max();
+  const Pick within = cheapest_within(std::max(limit, min_peak));
+  const Pick at_min_peak = limit <= min_peak ? within : cheapest_within(min_peak);
+  num_candidates = candidates_weighed;
+  plan.feasible = within.state().peak <= limit;
   plan.budget_bytes = options.budget_bytes();
-  plan.min_peak_bytes = finals[min_index].peak;
-  plan.min_peak_cost = finals[min_index].cost;
-  const int64_t chosen = plan.feasible ? best : min_index;
-  const DpState& end = finals[chosen];
+  plan.min_peak_bytes = at_min_peak.state().peak;
+  plan.min_peak_cost = at_min_peak.state().cost;
+  const Pick chosen = plan.feasible ? within : at_min_peak;
+  plan.bucket_bytes = chosen.bucket_bytes;
+  const auto& layers = chosen.run->layers;
+  const DpState& end = chosen.state();
   plan.predicted_peak_bytes = end.peak;
   plan.peak_phase = end.phase;
   plan.recompute_cost = end.cost;
@@ -1836,7 +2004,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   plan.num_candidates = num_candidates;
   plan.num_profiles = num_profiles;
   plan.blocks.resize(L);
-  int64_t s = chosen;
+  int64_t s = -1;  // the index in layers[i] of the state the plan passes through
   std::vector<const BlockProfile*> chosen_profiles(L, nullptr);
   for (int64_t i = L; i >= 1;) {
     const auto& st = i == L ? end : layers[i][s];
@@ -1929,6 +2097,10 @@ std::string to_string(const CheckpointPlan& p) {
                     p.forward_cost > 0 ? 100.0 * p.recompute_cost / p.forward_cost : 0.0);
   os << fmt::format("  smallest reachable peak {} B, at a recompute cost of {:.6g}\n",
                     with_commas(p.min_peak_bytes), p.min_peak_cost);
+  if (p.bucket_bytes > 0) {
+    os << fmt::format("  the search bucketed stored bytes: no plan is cheaper within the budget less {} B\n",
+                      with_commas(p.bucket_bytes));
+  }
   return os.str();
 }
 

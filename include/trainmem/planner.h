@@ -314,6 +314,11 @@ struct CheckpointPlan {
   double forward_cost = 0;             ///< one forward of all blocks, same unit
   int64_t min_peak_bytes = 0;          ///< the smallest peak any plan reaches, in bytes
   double min_peak_cost = 0;            ///< the least recompute that reaches it
+  /// 0 when the search was exact. Otherwise it bucketed the stored bytes at
+  /// large boundaries (Note [Bucketed boundaries] in planner.cpp): no plan
+  /// with a peak within the budget less this many bytes costs less than this
+  /// one. The plan's own figures are exact either way.
+  int64_t bucket_bytes = 0;
   int64_t num_candidates = 0;          ///< per-block choices the planner weighed
   /// Region runs profiled (each distinct region or segment and choice once;
   /// identical regions share their profiles, see plan_regions()).

@@ -219,7 +219,8 @@ void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int6
                  {"min_peak_bytes", plan.min_peak_bytes},
                  {"recompute_cost", plan.recompute_cost},
                  {"forward_cost", plan.forward_cost},
-                 {"num_profiles", plan.num_profiles}};
+                 {"num_profiles", plan.num_profiles},
+                 {"bucket_bytes", plan.bucket_bytes}};
     if (measured) {
       j["measured"] = {{"peak_bytes", measured->peak_bytes},
                        {"peak_phase", to_string(measured->phase)},

@@ -70,7 +70,8 @@ nlohmann::json plan_json(const CheckpointPlan& p) {
           {"recompute_cost", p.recompute_cost},
           {"forward_cost", p.forward_cost},
           {"min_peak_bytes", p.min_peak_bytes},
-          {"min_peak_recompute_cost", p.min_peak_cost}};
+          {"min_peak_recompute_cost", p.min_peak_cost},
+          {"bucket_bytes", p.bucket_bytes}};
 }
 
 struct Measured {
