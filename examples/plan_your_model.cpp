@@ -132,13 +132,6 @@ int main(int argc, char** argv) {
   std::cout << fmt::format("measured step peak {} B ({:+.2f} % from the prediction): {}\n",
                            trainmem::with_commas(measured.peak_bytes), err,
                            measured.peak_bytes <= budget ? "within the budget" : "OVER THE BUDGET");
-  if (measured.peak_bytes > budget) {
-    // Not a miscount of tensors (the saved bytes below are exact): the CPU's
-    // convolution backward (oneDNN) allocates workspace inside the op, which
-    // a meta kernel does not allocate, so the plan cannot see it.
-    std::cout << fmt::format("  the CPU's convolution kernels allocated {} B of workspace the meta run cannot see\n",
-                             trainmem::with_commas(measured.peak_bytes - plan.predicted_peak_bytes));
-  }
   const bool saved_equal = plan.activation_bytes == measured.activation_bytes;
   std::cout << fmt::format("saved for backward: predicted {} B, measured {} B: {}\n",
                            trainmem::with_commas(plan.activation_bytes),

@@ -82,6 +82,18 @@ ForkRng::ForkRng(const RngState* stashed, const std::vector<at::Tensor>& tensors
   }
   current_ = RngState::capture(tensors);
   stashed->restore();
+  if (mirror_rng_fork_on_meta()) {
+    int64_t bytes = static_cast<int64_t>(current_->cpu.nbytes());
+    for (const auto& [device, state] : current_->devices) {
+      bytes += static_cast<int64_t>(state.nbytes());
+    }
+    meta_mirror_ = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+  }
+}
+
+bool& mirror_rng_fork_on_meta() {
+  thread_local bool on = false;
+  return on;
 }
 
 ForkRng::~ForkRng() {

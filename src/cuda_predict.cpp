@@ -1,6 +1,8 @@
 #include "trainmem/cuda_predict.h"
 
 #include <algorithm>
+#include <functional>
+#include <type_traits>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -16,6 +18,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
+#include "detail/conv_scratch.h"
 #include "detail/intercept.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
@@ -334,6 +337,7 @@ CudaStepPrediction predict_cuda_step_peak(
   enable_cpu_meta_kernels();
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(cuda_prediction_mutex());
+  detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
 
   // Reset gradients first, so the trace owns every gradient the steps make.
   for (auto& p : module.parameters()) {
@@ -549,13 +553,13 @@ const char* to_string(CudaBudgetKind kind) {
   return kind == CudaBudgetKind::kAllocated ? "allocated" : "reserved";
 }
 
-CudaCheckpointPlan plan_checkpointing_cuda(
-    const TransformerOptions& model,
-    const PlanOptions& options,
-    CudaBudgetKind kind,
-    const CudaPredictOptions& cuda) {
-  TORCH_CHECK(options.budget_bytes() > 0, "plan_checkpointing_cuda: expected a budget > 0, but got ",
-              options.budget_bytes());
+namespace {
+
+// Plans for the planner budget b, predicts the plan's CUDA step, lowers b by
+// the excess: the loop of plan_checkpointing_cuda and plan_regions_cuda.
+CudaCheckpointPlan plan_for_cuda(const PlanOptions& options, CudaBudgetKind kind,
+                                 const std::function<CheckpointPlan(const PlanOptions&)>& plan,
+                                 const std::function<CudaStepPrediction(const CheckpointPlan&)>& predict) {
   CudaCheckpointPlan r;
   r.kind = kind;
   r.budget_bytes = options.budget_bytes();
@@ -563,8 +567,8 @@ CudaCheckpointPlan plan_checkpointing_cuda(
   for (int round = 0; round < 8 && b > 0; ++round) {
     r.num_rounds = round + 1;
     r.planner_budget_bytes = b;
-    r.plan = plan_checkpointing(model, PlanOptions(options).budget_bytes(b));
-    r.cuda = predict_cuda_transformer_step(model, r.plan.checkpointing(), options.adamw(), cuda);
+    r.plan = plan(PlanOptions(options).budget_bytes(b));
+    r.cuda = predict(r.plan);
     const int64_t peak = kind == CudaBudgetKind::kAllocated ? r.cuda.max_memory_allocated_bytes
                                                             : r.cuda.max_memory_reserved_bytes;
     if (r.plan.feasible && peak <= r.budget_bytes) {
@@ -574,9 +578,69 @@ CudaCheckpointPlan plan_checkpointing_cuda(
     if (!r.plan.feasible) {
       break;  // nothing smaller exists on the CPU either
     }
-    b -= peak - r.budget_bytes;
+    // What CUDA adds over the CPU model is about (peak - the plan's CPU
+    // peak): aim the next plan's CPU peak that much under the budget. From
+    // b itself when the plan's peak sits well under b, the same plan would
+    // come back for rounds.
+    b = std::min(b, r.plan.predicted_peak_bytes) - (peak - r.budget_bytes);
   }
   return r;
+}
+
+} // namespace
+
+CudaCheckpointPlan plan_checkpointing_cuda(
+    const TransformerOptions& model,
+    const PlanOptions& options,
+    CudaBudgetKind kind,
+    const CudaPredictOptions& cuda) {
+  TORCH_CHECK(options.budget_bytes() > 0, "plan_checkpointing_cuda: expected a budget > 0, but got ",
+              options.budget_bytes());
+  return plan_for_cuda(
+      options, kind, [&](const PlanOptions& o) { return plan_checkpointing(model, o); },
+      [&](const CheckpointPlan& p) {
+        return predict_cuda_transformer_step(model, p.checkpointing(), options.adamw(), cuda);
+      });
+}
+
+CudaCheckpointPlan plan_regions_cuda(
+    const RegionModel& model,
+    torch::nn::Module& module,
+    const PlanOptions& options,
+    CudaBudgetKind kind,
+    const CudaPredictOptions& cuda) {
+  TORCH_CHECK(options.budget_bytes() > 0, "plan_regions_cuda: expected a budget > 0, but got ",
+              options.budget_bytes());
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(p.value().is_meta(), "plan_regions_cuda: parameter '", p.key(), "' is on ", p.value().device(),
+                ", not on the meta device; build the model under a MetaInitGuard or move it with trainmem::to_meta()");
+  }
+  TORCH_CHECK(static_cast<bool>(model.input) && static_cast<bool>(model.loss),
+              "plan_regions_cuda: RegionModel::input and RegionModel::loss must be set");
+  auto predict = [&](const CheckpointPlan& p) {
+    const auto checkpointing = p.checkpointing();
+    auto loss = [&] { return model.loss(run_regions(model.regions, model.input(at::kMeta), checkpointing)); };
+    if (model.make_optimizer) {
+      auto opt = model.make_optimizer(module.parameters());
+      TORCH_CHECK(opt != nullptr, "plan_regions_cuda: RegionModel::make_optimizer returned null");
+      return predict_cuda_step_peak(module, loss, opt.get(), cuda);
+    }
+    if (model.optimizer == nullptr) {
+      return predict_cuda_step_peak(module, loss, nullptr, cuda);
+    }
+    auto& state = model.optimizer->state();
+    std::remove_reference_t<decltype(state)> saved;
+    std::swap(saved, state);
+    try {
+      auto r = predict_cuda_step_peak(module, loss, model.optimizer, cuda);
+      std::swap(saved, state);
+      return r;
+    } catch (...) {
+      std::swap(saved, state);
+      throw;
+    }
+  };
+  return plan_for_cuda(options, kind, [&](const PlanOptions& o) { return plan_regions(model, o); }, predict);
 }
 
 } // namespace trainmem

@@ -48,6 +48,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
 #include "trainmem/report.h"
+#include "detail/checkpoint_state.h"
 #include "detail/process_library.h"
 
 namespace trainmem {
@@ -1006,6 +1007,13 @@ std::vector<at::Tensor> params_of(const RunSpec& run) {
 BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<std::string>& saved_ops,
                          const OpCostFn& op_cost) {
   ByteCounter counter(run.cpu);
+  // The recompute's copy of the CPU generator's state, seen on meta while it
+  // lives (the CPU tracker sees it on CPU).
+  struct MirrorFork {
+    bool before;
+    explicit MirrorFork(bool on) : before(std::exchange(detail::mirror_rng_fork_on_meta(), on)) {}
+    ~MirrorFork() { detail::mirror_rng_fork_on_meta() = before; }
+  } mirror(!run.cpu);
   const auto params = params_of(run);
   BlockProfile prof;
   prof.choice.region_blocks = run.count;

@@ -11,6 +11,7 @@
 
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
+#include "trainmem/cuda_predict.h"
 #include "trainmem/meter.h"
 #include "trainmem/planner.h"
 #include "region_planner_check.h"
@@ -230,6 +231,54 @@ TEST(HfModelTest, LlamaUnderACheckpointPlanGivesIdenticalGradients) {
   EXPECT_LT(full.report().saved_bytes, none.report().saved_bytes);
 }
 
+
+// plan --model --device cuda's library call: a LLaMA planned for a CUDA
+// budget of 20 MB allocated. 'none' predicts 20,430,848 B on CUDA (17 MB of
+// it the three cuBLAS/cuBLASLt workspaces), so the planner plans again for a
+// CPU peak that much under none's: a second round whose plan fits. The
+// prediction is the one predict_cuda_step_peak makes of that plan by itself.
+TEST(HfModelTest, RegionPlanForACudaBudget) {
+  const auto config = trainmem::load_hf_config(data("tiny_llama.json"));
+  const auto model = build_on_meta(config);
+  auto m = trainmem::hf_region_model(model, 4, 32);
+  auto adamw = [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::AdamW>(std::move(p), torch::optim::AdamWOptions(1e-3));
+  };
+  m.make_optimizer = adamw;
+  const int64_t budget = 20000000;
+  const auto r = trainmem::plan_regions_cuda(m, *model.module, trainmem::PlanOptions().budget_bytes(budget),
+                                             trainmem::CudaBudgetKind::kAllocated);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_EQ(r.num_rounds, 2);
+  EXPECT_LE(r.cuda.max_memory_allocated_bytes, budget);
+  EXPECT_NE(r.plan.name, "none");
+  EXPECT_LT(r.planner_budget_bytes, budget);
+  auto opt = adamw(model.module->parameters());
+  const auto checkpointing = r.plan.checkpointing();
+  const auto again = trainmem::predict_cuda_step_peak(
+      *model.module, [&] { return m.loss(trainmem::run_regions(m.regions, m.input(at::kMeta), checkpointing)); },
+      opt.get());
+  EXPECT_EQ(again.max_memory_allocated_bytes, r.cuda.max_memory_allocated_bytes);
+  EXPECT_EQ(again.max_memory_reserved_bytes, r.cuda.max_memory_reserved_bytes);
+  // The plain step does not fit: that is why a plan was needed.
+  const auto plain = trainmem::predict_cuda_step_peak(
+      *model.module, [&] { return m.loss(trainmem::run_regions(m.regions, m.input(at::kMeta),
+                                                              trainmem::BlockCheckpointing::none(
+                                                                  static_cast<int64_t>(m.regions.size())))); },
+      adamw(model.module->parameters()).get());
+  EXPECT_GT(plain.max_memory_allocated_bytes, budget);
+  // Off meta: a clear error naming the parameter.
+  const auto cpu_model = trainmem::build_hf_model(config);
+  auto cpu_m = trainmem::hf_region_model(cpu_model, 4, 32);
+  cpu_m.make_optimizer = adamw;
+  try {
+    (void)trainmem::plan_regions_cuda(cpu_m, *cpu_model.module, trainmem::PlanOptions().budget_bytes(budget),
+                                      trainmem::CudaBudgetKind::kAllocated);
+    ADD_FAILURE() << "a CPU model was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not on the meta device"), std::string::npos) << e.what();
+  }
+}
 
 // transformers' name of a parameter of our Llama.
 std::string transformers_name(std::string n) {

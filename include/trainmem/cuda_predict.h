@@ -180,8 +180,9 @@ struct CudaCheckpointPlan {
 
 /// plan_checkpointing() for a CUDA budget: plans against the CPU peak model,
 /// predicts the plan's CUDA step, and while the CUDA peak of `kind` exceeds
-/// the budget lowers the planner's budget by the excess and plans again
-/// (at most 8 rounds). `options.budget_bytes()` is the CUDA budget.
+/// the budget plans again for a CPU peak that much under the last plan's (or
+/// the last planner budget, if lower), at most 8 rounds.
+/// `options.budget_bytes()` is the CUDA budget.
 ///
 /// Example:
 /// ```
@@ -190,6 +191,34 @@ struct CudaCheckpointPlan {
 /// ```
 CudaCheckpointPlan plan_checkpointing_cuda(
     const TransformerOptions& model,
+    const PlanOptions& options,
+    CudaBudgetKind kind,
+    const CudaPredictOptions& cuda = {});
+
+/// plan_regions() for a CUDA budget, as plan_checkpointing_cuda() does for
+/// the reference transformer: plans `model` against the CPU peak model,
+/// predicts the plan's CUDA step (run_regions() under the plan on the meta
+/// input, `model.loss`, and the optimizer's step), and while the CUDA peak of
+/// `kind` exceeds the budget plans again lower by the excess, as there (at
+/// most 8 rounds). `module` owns every parameter of the
+/// regions and must be on meta (built under a MetaInitGuard, or moved with
+/// to_meta()). The optimizer is `model.make_optimizer` (called on the
+/// module's parameters for each prediction) or `model.optimizer`, whose state
+/// is set aside for the predictions and put back. Throws if the budget is not
+/// positive or a parameter is not on meta.
+///
+/// Example:
+/// ```
+/// auto m = trainmem::hf_region_model(model, 8, 1024);
+/// m.make_optimizer = [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+///   return std::make_unique<torch::optim::AdamW>(std::move(p), torch::optim::AdamWOptions(1e-3));
+/// };
+/// auto r = trainmem::plan_regions_cuda(m, *model.module, trainmem::PlanOptions().budget_bytes(80LL << 30),
+///                                      trainmem::CudaBudgetKind::kAllocated);
+/// ```
+CudaCheckpointPlan plan_regions_cuda(
+    const RegionModel& model,
+    torch::nn::Module& module,
     const PlanOptions& options,
     CudaBudgetKind kind,
     const CudaPredictOptions& cuda = {});

@@ -30,7 +30,14 @@ class ForkRng {
 
  private:
   std::optional<RngState> current_;
+  at::Tensor meta_mirror_;  // see mirror_rng_fork_on_meta()
 };
+
+// While true on this thread, a ForkRng also holds a meta tensor of its copy's
+// bytes: the planner, profiling a checkpointed region on meta, then sees the
+// recompute's CPU generator copy in the meta counter when it is live, not
+// only the stash it adds itself (Note [Checkpoint planner]).
+bool& mirror_rng_fork_on_meta();
 
 struct AutocastState {
   struct Entry {

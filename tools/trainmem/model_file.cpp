@@ -178,9 +178,79 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
   std::cout << out;
 }
 
+namespace {
+
+// plan --model FILE --device cuda: planned on meta against the predicted CUDA peak.
+void run_plan_model_cuda(const std::string& path, const HfConfig& config, int64_t budget, int64_t batch,
+                         int64_t seq_len, bool selective, bool json, const CudaPredictOptions& cuda,
+                         CudaBudgetKind kind, const std::string& device) {
+  HfModel model;
+  {
+    MetaInitGuard meta;
+    model = build_hf_model(config);
+  }
+  auto m = hf_region_model(model, batch, seq_len);
+  m.make_optimizer = [](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(1e-3));
+  };
+  const auto r = plan_regions_cuda(m, *model.module, PlanOptions().budget_bytes(budget).selective(selective),
+                                   kind, cuda);
+  if (json) {
+    nlohmann::ordered_json j;
+    j["schema"] = "trainmem/1";
+    j["kind"] = "plan_model";
+    j["model"] = {{"file", path}, {"architecture", to_string(config.architecture)}, {"num_layers", config.num_layers}};
+    j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
+    j["device"] = device;
+    j["budget_kind"] = to_string(kind);
+    j["plan"] = {{"name", r.plan.name},
+                 {"feasible", r.plan.feasible},
+                 {"budget_bytes", r.plan.budget_bytes},
+                 {"predicted_peak_bytes", r.plan.predicted_peak_bytes},
+                 {"activation_bytes", r.plan.activation_bytes},
+                 {"min_peak_bytes", r.plan.min_peak_bytes},
+                 {"recompute_cost", r.plan.recompute_cost},
+                 {"forward_cost", r.plan.forward_cost},
+                 {"num_profiles", r.plan.num_profiles},
+                 {"bucket_bytes", r.plan.bucket_bytes}};
+    j["cuda"] = {{"feasible", r.feasible},
+                 {"budget_bytes", r.budget_bytes},
+                 {"planner_budget_bytes", r.planner_budget_bytes},
+                 {"rounds", r.num_rounds},
+                 {"max_memory_allocated_bytes", r.cuda.max_memory_allocated_bytes},
+                 {"max_memory_reserved_bytes", r.cuda.max_memory_reserved_bytes}};
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, fp32, AdamW (planned on meta for --device {}: "
+                             "budget {} B on max_memory_{}, predicted; nothing is run)\n\n",
+                             describe(config, path), batch, seq_len, device, with_commas(budget), to_string(kind));
+    std::cout << to_string(r.plan);
+    std::cout << "\n" << to_string(r.cuda);
+    std::cout << fmt::format("planner budget after {} round(s): {} B (CUDA adds workspaces, rounding, copies, slack)\n",
+                             r.num_rounds, with_commas(r.planner_budget_bytes));
+  }
+  if (!r.feasible) {
+    throw CheckFailed(fmt::format("no plan's predicted CUDA max_memory_{} fits {} B (the last plan tried, '{}', "
+                                  "predicts {} B allocated, {} B reserved)",
+                                  to_string(kind), with_commas(budget), r.plan.name,
+                                  with_commas(r.cuda.max_memory_allocated_bytes),
+                                  with_commas(r.cuda.max_memory_reserved_bytes)));
+  }
+}
+
+} // namespace
+
 void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
-                    bool run, bool json) {
+                    bool run, bool json, const CudaPredictOptions* cuda, CudaBudgetKind kind,
+                    const std::string& device) {
   const HfConfig config = load_config(path, batch, seq_len);
+  if (cuda != nullptr) {
+    if (run) {
+      throw UsageError("--run with --device " + device + ": the CUDA plan is a prediction; run it on CPU without --device");
+    }
+    run_plan_model_cuda(path, config, budget, batch, seq_len, selective, json, *cuda, kind, device);
+    return;
+  }
   if (run) {
     CpuMemoryTracker::install();  // before the model: every CPU byte of the run is counted
   }

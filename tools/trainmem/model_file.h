@@ -34,9 +34,12 @@ void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_
 /// (plan_regions() on hf_region_model()). With `run`, the model is also
 /// built on CPU and one step run under the plan, measured beside the
 /// prediction (a small config only: it needs the memory it plans for).
+/// With `cuda` (not null), the budget is on the predicted CUDA peak of
+/// `kind` (plan_regions_cuda(); `device` is printed); nothing runs.
 /// Throws UsageError (exit 2) for a bad config or flag, CheckFailed (exit 3)
 /// when no plan fits.
 void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
-                    bool run, bool json);
+                    bool run, bool json, const CudaPredictOptions* cuda = nullptr,
+                    CudaBudgetKind kind = CudaBudgetKind::kAllocated, const std::string& device = "cpu");
 
 } // namespace trainmem::cli

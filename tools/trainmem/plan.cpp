@@ -109,7 +109,8 @@ Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
 
 // plan --device cuda: the budget is on the predicted CUDA max_memory_allocated
 // or max_memory_reserved (cuda_predict.h); nothing runs (no GPU is needed).
-void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions& options, const std::string& unit) {
+// --device (cuda[:index]) and --budget-kind checked; the kind.
+CudaBudgetKind cuda_budget_kind(const PlanFlags& f) {
   std::optional<c10::Device> device;
   try {
     device.emplace(f.device);
@@ -121,7 +122,11 @@ void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions
   if (f.budget_kind != "allocated" && f.budget_kind != "reserved") {
     throw UsageError("--budget-kind " + f.budget_kind + ": expected allocated or reserved");
   }
-  const auto kind = f.budget_kind == "allocated" ? CudaBudgetKind::kAllocated : CudaBudgetKind::kReserved;
+  return f.budget_kind == "allocated" ? CudaBudgetKind::kAllocated : CudaBudgetKind::kReserved;
+}
+
+void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions& options, const std::string& unit) {
+  const auto kind = cuda_budget_kind(f);
   const auto r = plan_checkpointing_cuda(o, options, kind);
   if (f.json) {
     nlohmann::json doc = {
@@ -161,8 +166,15 @@ void run(const PlanFlags& f) {
     throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
   }
   if (!f.model_file.empty()) {
-    if (f.device != "cpu" || f.cost != "flops") {
-      throw UsageError("--model plans a CPU/meta step with FLOP costs: drop --device and --cost");
+    if (f.cost != "flops") {
+      throw UsageError("--cost " + f.cost + " with --model: a model file is planned with FLOP costs (drop --cost)");
+    }
+    if (f.device != "cpu") {
+      const auto kind = cuda_budget_kind(f);
+      const CudaPredictOptions cuda;
+      run_plan_model(f.model_file, budget, f.model.batch, f.model.seq_len, !f.no_selective, f.run_model, f.json,
+                     &cuda, kind, f.device);
+      return;
     }
     run_plan_model(f.model_file, budget, f.model.batch, f.model.seq_len, !f.no_selective, f.run_model, f.json);
     return;
