@@ -46,18 +46,22 @@ compare: configure
 
 # Compile-only check of the CUDA code paths against the CUDA wheel (torch
 # 2.14.1 in .venv-cuda) with the machine's nvcc. Not part of `make test`: it
-# needs no GPU, but a 5.5 GB wheel and a second build.
+# needs no GPU, but a 5.5 GB wheel and a second build. Another CUDA wheel:
+# make cuda-check CUDA_VENV=.venv-215 CUDA_TORCH=2.15.0 CUDA_BUILD=build-215
+# (a symlink .venv-215 -> the venv holding torch 2.15.0+cu132; nvcc 13.0).
 CUDA_BUILD ?= build-cuda
+CUDA_VENV  ?= .venv-cuda
+CUDA_TORCH ?= 2.14.1
 # The toolkit, not a wrapper script on PATH: FindCUDA looks beside nvcc.
 CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda) $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v nvcc))))
 cuda-check:
 	@mkdir -p $(CUDA_BUILD)
-	@TRAINMEM_VENV=.venv-cuda TRAINMEM_TORCH_VERSION=2.14.1 scripts/bootstrap.sh > $(CUDA_BUILD)/.prefix.tmp \
+	@TRAINMEM_VENV=$(CUDA_VENV) TRAINMEM_TORCH_VERSION=$(CUDA_TORCH) scripts/bootstrap.sh > $(CUDA_BUILD)/.prefix.tmp \
 	  && mv $(CUDA_BUILD)/.prefix.tmp $(CUDA_BUILD)/.prefix
 	cmake -S . -B $(CUDA_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(CONFIG) \
 	  -DCMAKE_PREFIX_PATH="$$(cat $(CUDA_BUILD)/.prefix)" -DTRAINMEM_BUILD_BENCH=OFF \
 	  -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc \
-	  $$(f=$$(ls .venv-cuda/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -1); \
+	  $$(f=$$(ls $(CUDA_VENV)/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -1); \
 	     test -n "$$f" && echo -DCUDA_nvrtc_LIBRARY=$$PWD/$$f) \
 	  $$(command -v ccache >/dev/null && echo -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 	@grep -q "TRAINMEM_WITH_CUDA" $(CUDA_BUILD)/build.ninja || { echo "cuda-check: LibTorch in $(CUDA_BUILD) has no CUDA" >&2; exit 1; }
