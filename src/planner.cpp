@@ -1944,7 +1944,8 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   // storage is counted); the peak and cost so far only add. One DP keeping
   // the (stored, peak, cost) Pareto set is exact but the set grows without
   // bound (400 layers: 14 s; LLaMA-2-7B with selective candidates: minutes).
-  // Two DPs, each on a 2-D staircase, give the same answers exactly:
+  // Two DPs, each on a 2-D staircase, give the same answers (exactly, while
+  // no boundary of the second is bucketed: Note [Bucketed boundaries]):
   //   1. the least peak P* (kPeak: a state is beaten by one with stored and
   //      peak no higher);
   //   2. the least cost within a limit, ties to the smaller peak (kCost:
