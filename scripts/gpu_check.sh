@@ -8,7 +8,9 @@
 #      venv's LibTorch (CUDA), with the headers bundled in .deps/
 #      (`make deps-bundle` beforehand, on a machine with the dev packages)
 #   2. the CUDA tests (gtest *Cuda*), which must run, not skip
-#   3. `trainmem audit --device cuda --snapshot` and PyTorch's memory_viz on it
+#   3. `trainmem audit --device cuda --snapshot` and PyTorch's memory_viz on it;
+#      NCCL ranks: `audit --nproc 2 --device cuda` with 2+ GPUs (1 GPU: the
+#      1-rank NCCL run of the CUDA tests, the 2-rank run skipped, said)
 #   4. timings: audited steps on cuda, and the same on cpu
 #   5. EXTRA_PROGRAMS below: further programs (issue 15's predicted-vs-measured run)
 #   6. with GPU_CHECK_FULL=1: the whole ctest suite in this build
@@ -109,6 +111,23 @@ stage "memory_viz reads the snapshot" "$py -m torch.cuda._memory_viz stats $OUT/
   $py -c 'import pickle,sys; s=pickle.load(open(sys.argv[1],\"rb\")); t=[e for d in s[\"device_traces\"] for e in d]; \
 a=[e for e in t if e[\"action\"]==\"alloc\"]; print(len(s[\"segments\"]), \"segments,\", len(a), \"allocs,\", \
 sum(1 for e in a if e.get(\"frames\")), \"with frames\"); sys.exit(0 if a else 1)' $OUT/cuda_snapshot.pickle"
+
+# ---- 3b. NCCL ranks (docs/distributed.md, "What changes on NCCL") --------------
+# NCCL takes one device per rank: with 2+ GPUs, `audit --nproc 2 --device cuda`;
+# with 1 GPU two ranks are not valid, so the CLI run is skipped, saying so,
+# and the NCCL path runs as 1 rank in DistributedCudaTest (stage 2).
+stage "NCCL ranks built" "grep -q TRAINMEM_WITH_NCCL $GPU_BUILD/build.ninja || { echo 'no NCCL ranks in this build: \
+distributed audits need gloo headers (make deps-bundle copies them into .deps/include/gloo) and torch_cuda with USE_C10D_NCCL'; exit 1; }"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${ngpu:-0}" -ge 2 ]; then
+  stage "audit --nproc 2 --device cuda (NCCL)" "$cli audit --nproc 2 --device cuda --layers 2 --d-model 64 --heads 4 \
+    --batch 8 --seq-len 16 --json > $OUT/nccl_ranks.json && $cli report $OUT/nccl_ranks.json 2>/dev/null | head -20; \
+    grep -q '\"backend\": \"nccl\"' $OUT/nccl_ranks.json"
+else
+  echo "==== audit --nproc 2 --device cuda (NCCL): skipped: ${ngpu:-0} GPU(s); NCCL needs one device per rank, \
+the 1-rank NCCL run is DistributedCudaTest.NcclRanksMatchSingleProcess (CUDA tests)" | tee -a "$log"
+  results+=("SKIP     0 s  audit --nproc 2 --device cuda (NCCL): ${ngpu:-0} GPU, NCCL needs one per rank")
+fi
 
 # ---- 4. timings -------------------------------------------------------------------------
 timing='import json,sys; d=json.load(open(sys.argv[1])); s=d["steps"]; print(sys.argv[2], "step ms", [round(x["time_ms"],1) for x in s], "peak B", d["peak_bytes"])'

@@ -37,9 +37,22 @@ namespace {
 constexpr size_t kHeader = 64;
 constexpr int kMaxWindows = 64;
 constexpr int kMaxRecorders = 64;
-// Header layout: size (int64), recorder tag (uint64), allocation time (int64).
+// Header layout: size (int64), recorder tag (uint64), allocation time
+// (int64), epoch (uint64; Note [Blocks inherited through fork]).
 constexpr size_t kTagOffset = 8;
 constexpr size_t kTimeOffset = 16;
+constexpr size_t kEpochOffset = 24;
+
+// Note [Blocks inherited through fork]
+// A child made by fork() inherits the parent's live blocks and the counters
+// that count them. train_distributed() forks its ranks from the caller's
+// process: the caller's live tensors (a previous run's results, a data set)
+// would count in every rank's live bytes and peaks, which then depended on
+// what the caller happened to hold (a DistributedTest run after others saw
+// one gradient copy, 399,872 B, more than run alone). forget_inherited_blocks()
+// starts a new epoch: the counters restart from zero, and a free whose block
+// carries an older epoch is not counted.
+std::atomic<uint64_t> g_epoch{0};
 
 struct RecorderSlot {
   std::mutex mutex;
@@ -146,6 +159,12 @@ void counting_delete(void* data) {
     return;
   }
   auto* block = static_cast<char*>(data) - kHeader;
+  uint64_t epoch = 0;
+  std::memcpy(&epoch, block + kEpochOffset, sizeof(epoch));
+  if (epoch != g_epoch.load(std::memory_order_relaxed)) {
+    base_allocator->raw_deallocate(block);  // inherited through fork: never counted here
+    return;
+  }
   int64_t size = 0;
   std::memcpy(&size, block, sizeof(size));
   auto& c = counters();
@@ -169,6 +188,8 @@ class CountingAllocator final : public c10::Allocator {
     const int64_t t = now_since(counters());
     new (static_cast<char*>(block) + kTagOffset) uint64_t(tag);
     std::memcpy(static_cast<char*>(block) + kTimeOffset, &t, sizeof(t));
+    const uint64_t epoch = g_epoch.load(std::memory_order_relaxed);
+    std::memcpy(static_cast<char*>(block) + kEpochOffset, &epoch, sizeof(epoch));
     void* data = static_cast<char*>(block) + kHeader;
     auto& c = counters();
     const int64_t now = c.allocated.fetch_add(size, std::memory_order_relaxed) + size;
@@ -228,6 +249,20 @@ CpuMemoryStats CpuMemoryTracker::stats() const {
 void CpuMemoryTracker::reset_peak() {
   auto& c = counters();
   c.peak.store(c.allocated.load());
+}
+
+void CpuMemoryTracker::forget_inherited_blocks() {
+  auto& c = counters();
+  g_epoch.fetch_add(1);
+  c.allocated.store(0);
+  c.peak.store(0);
+  c.num_allocs.store(0);
+  c.num_frees.store(0);
+  for (int i = 0; i < kMaxWindows; ++i) {
+    c.window_peak[i].store(0);
+  }
+  std::lock_guard<std::mutex> lock(c.events_mutex);
+  c.events.clear();
 }
 
 void CpuMemoryTracker::record_events(bool on) {
@@ -373,6 +408,11 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
     return 0;  // not made by the counting allocator (from_blob, mmap, before install)
   }
   char* block = static_cast<char*>(dp.get()) - kHeader;
+  uint64_t epoch = 0;
+  std::memcpy(&epoch, block + kEpochOffset, sizeof(epoch));
+  if (epoch != g_epoch.load(std::memory_order_relaxed)) {
+    return 0;  // inherited through fork: not counted in this process
+  }
   int64_t size = 0;
   std::memcpy(&size, block, sizeof(size));
   if (alloc_ns != nullptr) {

@@ -143,6 +143,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     const c10::StorageImpl* key;
     std::string name;
     Category category;
+    bool bucket = true;  // shown as a bucket of the report (label()), or only a timeline category (set_category())
   };
 
   std::vector<const torch::nn::Module*> modules;
@@ -590,6 +591,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     return bytes;
   }
 
+  // label() and set_category(): defined below.
+  void add_label(const at::Tensor& tensor, std::string name, Category category, bool bucket, const char* who);
+
   void start_recording() {
     origin_ns = tracker->now_ns();
     recording_started = true;
@@ -955,13 +959,22 @@ void Audit::add_optimizer(const OptimizerInBackward& optimizer, std::string name
 }
 
 void Audit::label(const at::Tensor& tensor, std::string name, Category category) {
-  auto& s = *impl_;
-  TORCH_CHECK(tensor.defined(), "Audit::label: the tensor is undefined");
   TORCH_CHECK(!name.empty(), "Audit::label: the name is empty");
-  TORCH_CHECK(!s.open, "Audit::label: call it outside a step (step ", s.step_index, " is open)");
-  TORCH_CHECK(tensor.has_storage(), "Audit::label: the tensor has no storage (layout ", tensor.layout(), ")");
+  impl_->add_label(tensor, std::move(name), category, /*bucket=*/true, "Audit::label");
+}
+
+void Audit::set_category(const at::Tensor& tensor, Category category) {
+  impl_->add_label(tensor, category_name(category), category, /*bucket=*/false, "Audit::set_category");
+}
+
+void Audit::Impl::add_label(const at::Tensor& tensor, std::string name, Category category, bool bucket,
+                            const char* who) {
+  auto& s = *this;
+  TORCH_CHECK(tensor.defined(), who, ": the tensor is undefined");
+  TORCH_CHECK(!s.open, who, ": call it outside a step (step ", s.step_index, " is open)");
+  TORCH_CHECK(tensor.has_storage(), who, ": the tensor has no storage (layout ", tensor.layout(), ")");
   s.labels.push_back({tensor.storage().getWeakStorageImpl(), tensor.storage().unsafeGetStorageImpl(),
-                      std::move(name), category});
+                      std::move(name), category, bucket});
   if (s.meter) {
     s.meter->exclude(tensor);
   }
@@ -1185,7 +1198,7 @@ AuditReport Audit::report() const {
     }
   }
   for (const auto& l : s.labels) {
-    if (auto st = l.storage.lock()) {
+    if (auto st = l.bucket ? l.storage.lock() : nullptr) {
       r.buckets.push_back({l.name, l.category, static_cast<int64_t>(st->nbytes())});
     }
   }

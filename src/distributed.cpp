@@ -81,8 +81,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
 // bucket buffers, all-reduces each bucket when its last gradient arrives, and
 // divides by the world size. We set it up as DDP's __init__ does with
 // find_unused_parameters=False: a single bucket for the first step, rebuilt
-// after it in the order gradients arrived (first bucket capped at 1 MiB, the
-// rest at bucket_cap_mb). The bucket buffers are the "communication buffers"
+// after it in the order gradients arrived (the first bucket capped at 1 MiB
+// while bucket_cap_mb is DDP's default, at bucket_cap_mb once it is given;
+// the rest at bucket_cap_mb). The bucket buffers are the "communication buffers"
 // of the reports: with gradient_as_bucket_view=False they are a second copy
 // of every gradient for the whole run; with True the gradients are views
 // into them and they add nothing.
@@ -99,10 +100,10 @@ DataParallel::DataParallel(
     DataParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
   TORCH_CHECK(process_group, "DataParallel: expected a process group, but got null");
-  TORCH_CHECK(options.bucket_cap_bytes() > 0, "DataParallel: expected bucket_cap_bytes > 0, but got ",
-              options.bucket_cap_bytes());
-  TORCH_CHECK(options.first_bucket_cap_bytes() > 0, "DataParallel: expected first_bucket_cap_bytes > 0, but got ",
-              options.first_bucket_cap_bytes());
+  TORCH_CHECK(options.effective_bucket_cap_bytes() > 0, "DataParallel: expected bucket_cap_bytes > 0, but got ",
+              options.effective_bucket_cap_bytes());
+  TORCH_CHECK(options.effective_first_bucket_cap_bytes() > 0,
+              "DataParallel: expected first_bucket_cap_bytes > 0, but got ", options.effective_first_bucket_cap_bytes());
   auto& s = *impl_;
   s.process_group = std::move(process_group);
   s.options = options;
@@ -122,8 +123,8 @@ DataParallel::DataParallel(
   std::unordered_map<size_t, std::string> names;
   s.reducer = std::make_unique<c10d::Reducer>(
       s.params, std::move(indices), s.process_group, std::vector<bool>(s.params.size(), false),
-      options.bucket_cap_bytes(), /*find_unused_parameters=*/false, options.gradient_as_bucket_view(),
-      std::move(names), options.first_bucket_cap_bytes(), /*skip_all_reduce_unused_params=*/false,
+      options.effective_bucket_cap_bytes(), /*find_unused_parameters=*/false, options.gradient_as_bucket_view(),
+      std::move(names), options.effective_first_bucket_cap_bytes(), /*skip_all_reduce_unused_params=*/false,
       /*use_python_reducer=*/false, /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
 }
 
@@ -171,6 +172,14 @@ int64_t DataParallel::communication_bytes() const {
     }
   }
   return total;
+}
+
+std::vector<at::Tensor> DataParallel::bucket_buffers() const {
+  std::vector<at::Tensor> out;
+  for (const auto& b : impl_->reducer->get_grad_buckets(/*return_zero_tensors=*/false)) {
+    out.push_back(b.getBuffer());
+  }
+  return out;
 }
 
 std::vector<int64_t> DataParallel::bucket_bytes() const {
@@ -254,6 +263,39 @@ struct DistributedAudit::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> process_group;
   std::string title;
   const DataParallel* data_parallel = nullptr;
+  // Bucket storages already named (weak: a freed one's address may come back).
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> tagged;
+
+  // Note [Communication buffers in the timeline]
+  // The Reducer makes its buckets before the audit and again when
+  // prepare_for_forward() rebuilds them between steps 0 and 1. Unnamed, the
+  // first ones were "before the audit" and stayed counted there after the
+  // rebuild freed them (the audit sees the frees of the blocks it owns
+  // only), and the rebuilt ones were unknown (made between steps). So each
+  // buffer is named before the next step opens: Category::kCommunication,
+  // or, with gradient_as_bucket_view, GRADIENT (they are the gradients'
+  // storage). Named, its block is the audit's and its free is counted.
+  void tag_buffers() {
+    if (data_parallel == nullptr) {
+      return;
+    }
+    const auto category =
+        data_parallel->options().gradient_as_bucket_view() ? Category::kGradient : Category::kCommunication;
+    for (const auto& buf : data_parallel->bucket_buffers()) {
+      if (!buf.defined() || !buf.has_storage()) {
+        continue;
+      }
+      const auto* impl = buf.storage().unsafeGetStorageImpl();
+      const bool known = std::any_of(tagged.begin(), tagged.end(), [&](const auto& w) {
+        auto p = w.lock();
+        return p && p.get() == impl;
+      });
+      if (!known) {
+        tagged.push_back(buf.storage().getWeakStorageImpl());
+        audit.set_category(buf, category);
+      }
+    }
+  }
   int64_t origin_ns = 0;
   int64_t predicted_bytes = -1;
   std::string prediction;
@@ -280,8 +322,15 @@ Audit& DistributedAudit::audit() {
   return impl_->audit;
 }
 
+Audit::StepGuard DistributedAudit::step() {
+  impl_->tag_buffers();
+  return audit().step();
+}
+
 void DistributedAudit::set_data_parallel(const DataParallel& data_parallel) {
   impl_->data_parallel = &data_parallel;
+  impl_->tagged.clear();
+  impl_->tag_buffers();
 }
 
 void DistributedAudit::set_prediction(int64_t static_per_rank_bytes, const std::string& formula) {

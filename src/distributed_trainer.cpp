@@ -1,6 +1,7 @@
 // The local multi-rank launcher and each rank's data-parallel loop
 // (distributed_trainer.h). The only file that needs Gloo's headers
-// (compiled with USE_C10D_GLOO; see CMakeLists.txt).
+// (compiled with USE_C10D_GLOO; see CMakeLists.txt), and, in a CUDA build
+// whose LibTorch has c10d's NCCL (TRAINMEM_WITH_NCCL), NCCL's.
 
 #include "trainmem/distributed_trainer.h"
 
@@ -9,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -21,8 +23,14 @@
 #include <ATen/ops/randn.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef TRAINMEM_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -106,24 +114,68 @@ std::string signal_text(int sig) {
   return fmt::format("signal {} (SIG{})", sig, name != nullptr ? name : "?");
 }
 
+bool on_cuda(const DistributedTrainerOptions& o) {
+  return o.trainer().device() == "cuda";
+}
+
+// Note [NCCL ranks]
+// On CUDA each rank owns cuda:rank and its process group has two backends,
+// as PyTorch's init_process_group("cpu:gloo,cuda:nccl"): ProcessGroupNCCL
+// for CUDA tensors (the Reducer's buckets) and ProcessGroupGloo for CPU
+// tensors (check_model_agreement() and DistributedAudit::gather() send CPU
+// tensors), each on a store prefix of its own, as PyTorch does. NCCL takes
+// one device per rank: two ranks on one GPU fail in ncclCommInitRank
+// ("Duplicate GPU detected"), so train_distributed() refuses more ranks than
+// devices before it forks.
+c10::intrusive_ptr<c10d::ProcessGroup> make_rank_process_group(
+    const DistributedTrainerOptions& o,
+    int rank,
+    const c10::intrusive_ptr<c10d::Store>& store) {
+  const int world = static_cast<int>(o.nproc());
+  const auto timeout = std::chrono::milliseconds(o.timeout_ms());
+  auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
+  gloo->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  if (!on_cuda(o)) {
+    auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo);
+    return make_process_group(backend, store);
+  }
+#ifdef TRAINMEM_WITH_NCCL
+  auto cpu = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("cpu/", store), rank,
+                                                         world, gloo);
+  auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+  nccl_options->timeout = timeout;
+  auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("cuda/", store), rank,
+                                                          world, nccl_options);
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  pg->setBackend(c10::kCPU, c10d::ProcessGroup::BackendType::GLOO, cpu);
+  pg->setBackend(c10::kCUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+  return pg;
+#else
+  TORCH_CHECK(false, "device cuda: this trainmem was built without NCCL (see nccl_available())");
+#endif
+}
+
 // One rank, in its own process. Throws on any failure.
 void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive_ptr<c10d::Store>& store) {
   const auto& t = o.trainer();
   const auto& mo = t.model();
   const int world = static_cast<int>(o.nproc());
-  const auto timeout = std::chrono::milliseconds(o.timeout_ms());
   at::set_num_threads(static_cast<int>(o.threads_per_rank()));
   CpuMemoryTracker::install();  // before the model, so its parameters are seen
-
-  auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
-  gloo->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo);
-  auto pg = make_process_group(backend, store);
+  c10::Device device(c10::kCPU);
+  if (on_cuda(o)) {
+#ifdef TRAINMEM_WITH_NCCL
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(rank));  // before anything is allocated
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank));
+#endif
+  }
+  auto pg = make_rank_process_group(o, rank, store);
 
   const auto dtype = t.precision() == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
   torch::manual_seed(t.seed());
   Transformer model(mo);
-  model->to(dtype);
+  model->to(device, dtype);
   if (rank == o.fail_rank() && o.fail_mode() == "model") {
     torch::NoGradGuard no_grad;
     model->parameters().front().add_(1.0);
@@ -143,13 +195,13 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   torch::manual_seed(t.seed() + 1);
   const auto shard = at::randn({mo.batch(), mo.seq_len(), mo.d_model()})
                          .chunk(world)[static_cast<size_t>(rank)]
-                         .to(dtype)
+                         .to(device, dtype)
                          .clone();
   const int64_t shard_batch = mo.batch() / world;
 
   auto optimizer = detail::make_optimizer(t.optimizer(), model->parameters(), t.lr());
   DataParallel ddp(*model, pg, o.data_parallel());
-  DistributedAudit audit(*model, optimizer.get(), pg, c10::Device(c10::kCPU),
+  DistributedAudit audit(*model, optimizer.get(), pg, device,
                          AuditOptions().title("reference transformer").timeline(t.timeline()));
   audit.set_data_parallel(ddp);
   auto& a = audit.audit();
@@ -181,7 +233,7 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   }
 
   detail::AutocastState autocast;
-  autocast.entries.push_back({c10::kCPU, true, at::kBFloat16});
+  autocast.entries.push_back({device.type(), true, at::kBFloat16});
   std::vector<at::Tensor> grads;
   std::vector<double> losses;
   for (int64_t step = 0; step < t.steps(); ++step) {
@@ -217,7 +269,7 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
     }
     if (step == 0 && rank == 0 && t.keep_grads()) {
       for (const auto& p : model->parameters()) {
-        grads.push_back(p.grad().defined() ? p.grad().detach().to(at::kFloat).clone() : at::Tensor());
+        grads.push_back(p.grad().defined() ? p.grad().detach().to(c10::kCPU, at::kFloat).clone() : at::Tensor());
       }
     }
     losses.push_back(loss_value);
@@ -229,16 +281,13 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
     report->config = {{"nproc", std::to_string(world)},
                       {"batch", std::to_string(mo.batch())},
                       {"shard_batch", std::to_string(shard_batch)},
-                      {"bucket_cap_bytes", std::to_string(dp.bucket_cap_bytes())},
-                      {"first_bucket_cap_bytes", std::to_string(dp.first_bucket_cap_bytes())},
+                      {"bucket_cap_bytes", std::to_string(dp.effective_bucket_cap_bytes())},
+                      {"first_bucket_cap_bytes", std::to_string(dp.effective_first_bucket_cap_bytes())},
                       {"gradient_as_bucket_view", dp.gradient_as_bucket_view() ? "on" : "off"},
                       {"optimizer", t.optimizer()},
                       {"precision", precision_name(t.precision())},
                       {"checkpoint", t.checkpoint()},
                       {"steps", std::to_string(t.steps())}};
-    report->notes.push_back(
-        "communication buffers: the DDP buckets (c10d::Reducer) live from its construction, before the audit: "
-        "each rank's timeline counts them as unknown");
     report->notes.push_back(
         "Gloo's own transport buffers are allocated outside LibTorch's allocator and are not counted");
     store->set(kReportKey, bytes_of(to_json(*report, -1)));
@@ -255,6 +304,10 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
 // The child's whole life: connect, run, report a failure, exit without
 // running the parent's destructors or atexit handlers.
 [[noreturn]] void rank_main(const DistributedTrainerOptions& o, int rank, uint16_t port) {
+  if (CpuMemoryTracker::installed()) {
+    // The caller's live tensors are not this rank's (Note [Blocks inherited through fork]).
+    CpuMemoryTracker::install().forget_inherited_blocks();
+  }
   c10::intrusive_ptr<c10d::Store> store;
   try {
     c10d::TCPStoreOptions co;
@@ -303,15 +356,56 @@ bool failed(const RankExit& e) {
 
 } // namespace
 
+bool nccl_available() {
+#ifdef TRAINMEM_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t cuda_device_count_before_fork() {
+  if (!c10::impl::hasDeviceGuardImpl(c10::kCUDA)) {
+    return 0;  // a CPU LibTorch: nothing to ask (at::hasCUDA() would initialise CUDA)
+  }
+  // Asking CUDA initialises its driver, after which a forked child cannot
+  // use CUDA; a child of our own asks and says it in its exit status.
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  TORCH_CHECK(pid >= 0, "cuda_device_count_before_fork: fork failed: ", std::strerror(errno));
+  if (pid == 0) {
+    int n = 0;
+    try {
+      n = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
+    } catch (...) {
+      n = 0;
+    }
+    ::_exit(std::min(n, 200));
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  TORCH_CHECK(WIFEXITED(status), "cuda_device_count_before_fork: the probe process ended by ",
+              WIFSIGNALED(status) ? signal_text(WTERMSIG(status)) : std::string("an unknown status"));
+  return WEXITSTATUS(status);
+}
+
 void check_distributed_trainer_options(const DistributedTrainerOptions& o) {
   TORCH_CHECK(o.nproc() >= 1, "expected nproc >= 1, but got ", o.nproc());
   TORCH_CHECK(o.nproc() <= 1024, "expected nproc <= 1024 local ranks, but got ", o.nproc());
-  check_trainer_options(o.trainer());
   const auto& t = o.trainer();
+  TORCH_CHECK(t.device() == "cpu" || t.device() == "cuda",
+              "expected device cpu (ranks on Gloo) or cuda (ranks on NCCL, rank r on cuda:r), but got \"", t.device(),
+              "\"");
+  TORCH_CHECK(t.device() == "cpu" || nccl_available(),
+              "device cuda: this trainmem was built without NCCL (it needs a CUDA LibTorch whose c10d has "
+              "ProcessGroupNCCL, USE_C10D_NCCL)");
+  // Checked as on cpu: check_trainer_options() asks CUDA about the device,
+  // and a launcher that has touched CUDA cannot fork ranks that use it.
+  check_trainer_options(TrainerOptions(t).device("cpu"));
   TORCH_CHECK(t.model().batch() % o.nproc() == 0, "expected batch ", t.model().batch(), " to split into nproc ",
               o.nproc(), " equal shards");
-  TORCH_CHECK(t.device() == "cpu", "expected device cpu for local ranks on Gloo, but got \"", t.device(),
-              "\" (NCCL ranks: see docs/distributed.md)");
   TORCH_CHECK(!t.offload(), "offload is not supported with nproc > 1");
   TORCH_CHECK(!t.optimizer_in_backward(), "optimizer_in_backward is not supported with nproc > 1");
   TORCH_CHECK(t.accumulation() == 1, "expected accumulation 1 with nproc > 1 (DDP no_sync is not modelled), but got ",
@@ -323,9 +417,10 @@ void check_distributed_trainer_options(const DistributedTrainerOptions& o) {
   TORCH_CHECK(o.fail_rank() >= -1 && o.fail_rank() < o.nproc(), "expected fail_rank -1 or below nproc ", o.nproc(),
               ", but got ", o.fail_rank());
   const auto& dp = o.data_parallel();
-  TORCH_CHECK(dp.bucket_cap_bytes() > 0, "expected bucket_cap_bytes > 0, but got ", dp.bucket_cap_bytes());
-  TORCH_CHECK(dp.first_bucket_cap_bytes() > 0, "expected first_bucket_cap_bytes > 0, but got ",
-              dp.first_bucket_cap_bytes());
+  TORCH_CHECK(dp.effective_bucket_cap_bytes() > 0, "expected bucket_cap_bytes > 0, but got ",
+              dp.effective_bucket_cap_bytes());
+  TORCH_CHECK(dp.effective_first_bucket_cap_bytes() > 0, "expected first_bucket_cap_bytes > 0, but got ",
+              dp.effective_first_bucket_cap_bytes());
 }
 
 // Note [Local ranks by fork]
@@ -342,6 +437,12 @@ void check_distributed_trainer_options(const DistributedTrainerOptions& o) {
 DistributedRun train_distributed(const DistributedTrainerOptions& o) {
   check_distributed_trainer_options(o);
   const int world = static_cast<int>(o.nproc());
+  if (on_cuda(o)) {
+    const int64_t devices = cuda_device_count_before_fork();
+    TORCH_CHECK(devices >= world, "train_distributed: NCCL needs one CUDA device per rank, but ", world,
+                " ranks were asked for and ", devices,
+                " CUDA device(s) are visible (two ranks on one device fail in ncclCommInitRank)");
+  }
   c10d::TCPStoreOptions so;
   so.port = 0;
   so.isServer = true;

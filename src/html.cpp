@@ -23,6 +23,7 @@ constexpr std::array<std::pair<Category, const char*>, kNumCategories> kStack = 
     {Category::kParameter, "#4e79a7"},
     {Category::kGradient, "#f28e2b"},
     {Category::kOptimizerState, "#59a14f"},
+    {Category::kCommunication, "#76b7b2"},
     {Category::kInput, "#b07aa1"},
     {Category::kActivation, "#e15759"},
     {Category::kTemporary, "#edc948"},

@@ -15,7 +15,7 @@ using Json = nlohmann::ordered_json;
 constexpr std::array<Category, kNumCategories> kCategories = {
     Category::kParameter, Category::kGradient,  Category::kOptimizerState,
     Category::kActivation, Category::kTemporary, Category::kInput,
-    Category::kUnknown, Category::kBeforeAudit};
+    Category::kCommunication, Category::kUnknown, Category::kBeforeAudit};
 
 Category category_from_name(const std::string& name) {
   for (auto c : kCategories) {

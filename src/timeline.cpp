@@ -16,6 +16,7 @@ const char* category_name(Category category) {
     case Category::kInput: return "INPUT";
     case Category::kUnknown: return "unknown";
     case Category::kBeforeAudit: return "before the audit";
+    case Category::kCommunication: return "COMMUNICATION";
   }
   return "unknown";
 }

@@ -10,7 +10,8 @@ import pickle
 import subprocess
 import sys
 
-CATEGORIES = ["PARAMETER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "unknown", "before the audit"]
+CATEGORIES = ["PARAMETER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "COMMUNICATION", "unknown",
+              "before the audit"]
 
 
 def fail(msg):

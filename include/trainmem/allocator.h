@@ -56,6 +56,14 @@ class CpuMemoryTracker {
   /// Sets the peak to the live bytes now.
   void reset_peak();
 
+  /// In a child made by fork(): forgets the blocks inherited from the
+  /// parent. The counters (live and peak bytes, allocation counts, open peak
+  /// windows' peaks, the event log) restart from zero and those blocks' frees
+  /// are not counted, so the child's figures are its own, as in a fresh
+  /// process. train_distributed() calls it first thing in each rank. Call it
+  /// before the child starts threads that allocate.
+  void forget_inherited_blocks();
+
   /// Starts (or stops) logging events. Logging costs a lock per allocation.
   void record_events(bool on);
   /// The events logged so far, oldest first; clears the log.

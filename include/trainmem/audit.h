@@ -165,6 +165,11 @@ class Audit {
   /// audit.label(dataset_images, "data set (images)", trainmem::Category::kInput);
   /// ```
   void label(const at::Tensor& tensor, std::string name, Category category);
+  /// As label(), but adds no bucket to the reports: only the timeline's
+  /// category of the tensor's storage (and it is never counted as saved
+  /// activations). For bytes a report counts elsewhere: DistributedAudit
+  /// gives DDP's bucket buffers Category::kCommunication this way. Same checks.
+  void set_category(const at::Tensor& tensor, Category category);
 
   /// Starts a step. Throws if a step is already open.
   void begin_step();

@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
@@ -70,22 +71,42 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
 
 /// How gradients are bucketed, with DDP's names and defaults.
 struct DataParallelOptions {
-  /// DDP's bucket_cap_mb, in bytes (25 MiB).
-  TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;
+  /// DDP's bucket_cap_mb, in bytes. Unset: DDP's default (25 MiB), as
+  /// `DDP(model)` without bucket_cap_mb.
+  TORCH_ARG(std::optional<int64_t>, bucket_cap_bytes) = std::nullopt;
   /// The first bucket's cap once buckets are rebuilt in gradient order after
-  /// the first step, in bytes (DDP's 1 MiB, used while bucket_cap_bytes is
-  /// the default; otherwise DDP uses bucket_cap_bytes).
-  TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1024 * 1024;
+  /// the first step, in bytes. Unset: DDP's rule
+  /// (torch/nn/parallel/distributed.py, _BucketCapacityConfig): 1 MiB
+  /// (dist._DEFAULT_FIRST_BUCKET_BYTES) while bucket_cap_bytes is unset, and
+  /// bucket_cap_bytes as soon as it is given, even when it is 25 MiB.
+  TORCH_ARG(std::optional<int64_t>, first_bucket_cap_bytes) = std::nullopt;
   /// Gradients are views into the buckets (no second copy of every gradient).
   /// Zero them with DataParallel::zero_grad(): LibTorch's
   /// `Optimizer::zero_grad()` detaches them in place, which views forbid.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
+
+ public:  // (TORCH_ARG leaves the members private)
+  /// DDP's default bucket cap, 25 MiB, in bytes.
+  static constexpr int64_t kDefaultBucketCapBytes = 25 * 1024 * 1024;
+  /// DDP's default first bucket cap (dist._DEFAULT_FIRST_BUCKET_BYTES), in bytes.
+  static constexpr int64_t kDefaultFirstBucketCapBytes = 1024 * 1024;
+  /// The bucket cap these options give, in bytes.
+  int64_t effective_bucket_cap_bytes() const {
+    return bucket_cap_bytes().value_or(kDefaultBucketCapBytes);
+  }
+  /// The first bucket's cap these options give, in bytes (DDP's rule above).
+  int64_t effective_first_bucket_cap_bytes() const {
+    if (first_bucket_cap_bytes()) {
+      return *first_bucket_cap_bytes();
+    }
+    return bucket_cap_bytes() ? *bucket_cap_bytes() : kDefaultFirstBucketCapBytes;
+  }
 };
 
 /// Data-parallel gradient synchronisation: LibTorch's `c10d::Reducer` (what
 /// DDP runs under the hood) set up as DDP sets it up: one bucket for the
 /// first step, then buckets rebuilt in the order gradients arrived, capped at
-/// first_bucket_cap_bytes then bucket_cap_bytes; each bucket is all-reduced
+/// the effective first bucket cap then the bucket cap; each bucket is all-reduced
 /// and averaged as soon as its gradients are ready during backward.
 ///
 /// It does not broadcast rank 0's parameters: check_model_agreement() reports
@@ -93,7 +114,7 @@ struct DataParallelOptions {
 class DataParallel {
  public:
   /// Registers hooks on every trainable parameter of `model`. Throws
-  /// c10::Error naming a bad option (caps <= 0), or a model with no
+  /// c10::Error naming a bad option (a cap <= 0), or a model with no
   /// trainable parameters.
   DataParallel(
       torch::nn::Module& model,
@@ -119,6 +140,8 @@ class DataParallel {
   int64_t communication_bytes() const;
   /// Bytes of each bucket, in the order they are reduced, in bytes.
   std::vector<int64_t> bucket_bytes() const;
+  /// The bucket buffers themselves (flat tensors), in the order they are reduced.
+  std::vector<at::Tensor> bucket_buffers() const;
   /// World size of the process group.
   int64_t world_size() const;
   const DataParallelOptions& options() const;
@@ -190,9 +213,15 @@ class DistributedAudit {
 
   /// This rank's Audit (mark_input, set_config, add_note...).
   Audit& audit();
-  /// Opens a step until the returned guard goes out of scope.
-  [[nodiscard]] Audit::StepGuard step() { return audit().step(); }
-  /// Reports `data_parallel`'s bucket buffers; it must outlive gather().
+  /// Opens a step until the returned guard goes out of scope. First gives
+  /// the DataParallel's bucket buffers made since the last step (a rebuild)
+  /// Category::kCommunication in the timeline: open steps with this, not
+  /// with audit().step().
+  [[nodiscard]] Audit::StepGuard step();
+  /// Reports `data_parallel`'s bucket buffers (it must outlive gather()):
+  /// their bytes in the report, and Category::kCommunication in the
+  /// timeline. With gradient_as_bucket_view they are the gradients' storage
+  /// and stay GRADIENT there. Call it outside a step.
   void set_data_parallel(const DataParallel& data_parallel);
   /// Puts the accountant's per-rank prediction in the report (rank 0's value counts).
   void set_prediction(int64_t static_per_rank_bytes, const std::string& formula);

@@ -2,7 +2,8 @@
 /// \file distributed_trainer.h
 /// The data-parallel trainer behind `trainmem audit --nproc N`: N local ranks
 /// (forked processes) meet at a TCPStore on 127.0.0.1 with a free port, make
-/// a Gloo process group, each trains the reference transformer (trainer.h) on
+/// a Gloo process group (on CUDA: NCCL, rank r on cuda:r, with Gloo for CPU
+/// tensors; Note [NCCL ranks] in distributed_trainer.cpp), each trains the reference transformer (trainer.h) on
 /// its shard of the batch with gradients all-reduced in DDP's buckets
 /// (DataParallel), audits its steps, and rank 0 gathers one
 /// DistributedReport (distributed.h).
@@ -34,6 +35,8 @@ struct DistributedTrainerOptions {
   /// The model, optimizer, precision, steps, checkpointing and seed of each
   /// rank; model().batch() is the global batch, split evenly across ranks.
   /// Offload, optimizer-in-backward and accumulation are not supported here.
+  /// Device "cpu" (Gloo) or "cuda" (NCCL, one device per rank: rank r on
+  /// cuda:r; needs nccl_available() and nproc CUDA devices).
   TORCH_ARG(TrainerOptions, trainer) = {};
   /// Ranks (local processes).
   TORCH_ARG(int64_t, nproc) = 2;
@@ -53,8 +56,19 @@ struct DistributedTrainerOptions {
   TORCH_ARG(int64_t, fail_step) = 0;
 };
 
+/// Whether this trainmem can run ranks on CUDA over NCCL: built against a
+/// CUDA LibTorch whose c10d has ProcessGroupNCCL (USE_C10D_NCCL, nccl.h
+/// found), with Gloo for the ranks' CPU tensors. False on a CPU LibTorch.
+bool nccl_available();
+
+/// CUDA devices this process would see, asked in a forked child so that this
+/// process never initialises CUDA (after which ranks forked from it could
+/// not use CUDA); 0 on a CPU LibTorch or without a GPU.
+int64_t cuda_device_count_before_fork();
+
 /// Throws c10::Error naming the first bad value of `options` (nproc < 1, a
-/// batch that does not split into nproc shards, unsupported trainer options).
+/// batch that does not split into nproc shards, unsupported trainer options,
+/// device cuda without NCCL). It does not touch CUDA.
 void check_distributed_trainer_options(const DistributedTrainerOptions& options);
 
 /// A finished multi-rank run, as rank 0 saw it.

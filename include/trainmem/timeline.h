@@ -2,7 +2,8 @@
 /// \file timeline.h
 /// Memory over time, coloured by what the bytes are. Every allocation and
 /// free of an audited step carries a category (PyTorch's names: PARAMETER,
-/// GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, unknown) and a
+/// GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, unknown; and
+/// COMMUNICATION for data-parallel buckets) and a
 /// phase (forward, backward, optimizer step). Audit (audit.h) records one;
 /// the writers in report.h turn it into a Chrome trace, an HTML/SVG plot or
 /// a memory_viz pickle.
@@ -31,10 +32,12 @@ enum class Category : uint8_t {
   kInput,      ///< a tensor passed to Audit::mark_input(), or labelled so
   kUnknown,    ///< made while recording, live, but not attributable (caches)
   kBeforeAudit, ///< live before recording began and not named (a baseline)
+  kCommunication, ///< buffers collectives run through (DDP's gradient buckets; distributed.h)
 };
-inline constexpr int kNumCategories = 8;
+inline constexpr int kNumCategories = 9;
 
-/// PyTorch's spelling: "PARAMETER", ..., "unknown"; and "before the audit".
+/// PyTorch's spelling: "PARAMETER", ..., "unknown"; and "before the audit",
+/// "COMMUNICATION" (PyTorch's profiler has no such category).
 const char* category_name(Category category);
 
 /// Part of a training step.

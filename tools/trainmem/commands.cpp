@@ -53,6 +53,7 @@ struct AuditFlags {
   // Data-parallel ranks (--nproc N; distributed_trainer.h).
   int64_t nproc = 1;
   double bucket_cap_mb = 25;
+  bool bucket_cap_given = false;  // DDP: the 1 MiB first bucket only without bucket_cap_mb
   bool gradient_as_bucket_view = false;
   int64_t timeout_s = 60;
   int64_t fail_rank = -1;
@@ -244,18 +245,20 @@ void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
   if (f.timeout_s < 1) {
     throw UsageError(fmt::format("expected --timeout >= 1 second, but got {}", f.timeout_s));
   }
-  const auto cap = static_cast<int64_t>(f.bucket_cap_mb * 1024 * 1024);
+  // DDP: a 1 MiB first bucket only when bucket_cap_mb is not given (even
+  // --bucket-cap-mb 25 makes the first bucket 25 MiB, as DDP(bucket_cap_mb=25)).
+  // int(bucket_cap_mb * 1024 * 1024), as DDP rounds it.
+  auto dp = DataParallelOptions().gradient_as_bucket_view(f.gradient_as_bucket_view);
+  if (f.bucket_cap_given) {
+    dp.bucket_cap_bytes(static_cast<int64_t>(f.bucket_cap_mb * 1024 * 1024));
+  }
   auto o = DistributedTrainerOptions()
                .trainer(t)
                .nproc(f.nproc)
                .timeout_ms(f.timeout_s * 1000)
                .fail_rank(f.fail_rank)
                .fail_mode(f.fail_mode)
-               // DDP: a 1 MiB first bucket only while the cap is the default.
-               .data_parallel(DataParallelOptions()
-                                  .bucket_cap_bytes(cap)
-                                  .first_bucket_cap_bytes(f.bucket_cap_mb == 25 ? 1024 * 1024 : cap)
-                                  .gradient_as_bucket_view(f.gradient_as_bucket_view));
+               .data_parallel(dp);
   try {
     check_distributed_trainer_options(o);
   } catch (const c10::Error& e) {
@@ -442,10 +445,17 @@ void add_audit_command(CLI::App& app) {
   sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE (- for stdout)")
       ->check(output_path());
   sub->add_flag("--no-timeline", f->no_timeline, "do not record allocator events (CPU)");
-  sub->add_option("--nproc", f->nproc, "data-parallel ranks: local processes on Gloo, the batch split across them")
+  sub->add_option("--nproc", f->nproc, "data-parallel ranks: local processes on Gloo (--device cuda: NCCL, one GPU per rank), the batch split across them")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}))
       ->capture_default_str();
-  sub->add_option("--bucket-cap-mb", f->bucket_cap_mb, "DDP bucket cap in MiB (with --nproc)")->capture_default_str();
+  sub->add_option_function<double>(
+         "--bucket-cap-mb",
+         [f](double v) {
+           f->bucket_cap_mb = v;
+           f->bucket_cap_given = true;
+         },
+         "DDP bucket cap in MiB (with --nproc); as in DDP, the first bucket is 1 MiB only when this is not given")
+      ->default_str("25");
   sub->add_flag("--gradient-as-bucket-view", f->gradient_as_bucket_view,
                 "gradients are views of the DDP buckets (with --nproc)");
   sub->add_option("--timeout", f->timeout_s, "seconds before a collective or the store gives up (with --nproc)")
