@@ -180,6 +180,27 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
 
 namespace {
 
+// The plan_model document's common part (docs/cli.md).
+nlohmann::ordered_json plan_model_json(const std::string& path, const HfConfig& config, int64_t batch,
+                                       int64_t seq_len, const CheckpointPlan& plan) {
+  nlohmann::ordered_json j;
+  j["schema"] = "trainmem/1";
+  j["kind"] = "plan_model";
+  j["model"] = {{"file", path}, {"architecture", to_string(config.architecture)}, {"num_layers", config.num_layers}};
+  j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
+  j["plan"] = {{"name", plan.name},
+               {"feasible", plan.feasible},
+               {"budget_bytes", plan.budget_bytes},
+               {"predicted_peak_bytes", plan.predicted_peak_bytes},
+               {"activation_bytes", plan.activation_bytes},
+               {"min_peak_bytes", plan.min_peak_bytes},
+               {"recompute_cost", plan.recompute_cost},
+               {"forward_cost", plan.forward_cost},
+               {"num_profiles", plan.num_profiles},
+               {"bucket_bytes", plan.bucket_bytes}};
+  return j;
+}
+
 // plan --model FILE --device cuda: planned on meta against the predicted CUDA peak.
 void run_plan_model_cuda(const std::string& path, const HfConfig& config, int64_t budget, int64_t batch,
                          int64_t seq_len, bool selective, bool json, const CudaPredictOptions& cuda,
@@ -196,23 +217,9 @@ void run_plan_model_cuda(const std::string& path, const HfConfig& config, int64_
   const auto r = plan_regions_cuda(m, *model.module, PlanOptions().budget_bytes(budget).selective(selective),
                                    kind, cuda);
   if (json) {
-    nlohmann::ordered_json j;
-    j["schema"] = "trainmem/1";
-    j["kind"] = "plan_model";
-    j["model"] = {{"file", path}, {"architecture", to_string(config.architecture)}, {"num_layers", config.num_layers}};
-    j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
+    auto j = plan_model_json(path, config, batch, seq_len, r.plan);
     j["device"] = device;
     j["budget_kind"] = to_string(kind);
-    j["plan"] = {{"name", r.plan.name},
-                 {"feasible", r.plan.feasible},
-                 {"budget_bytes", r.plan.budget_bytes},
-                 {"predicted_peak_bytes", r.plan.predicted_peak_bytes},
-                 {"activation_bytes", r.plan.activation_bytes},
-                 {"min_peak_bytes", r.plan.min_peak_bytes},
-                 {"recompute_cost", r.plan.recompute_cost},
-                 {"forward_cost", r.plan.forward_cost},
-                 {"num_profiles", r.plan.num_profiles},
-                 {"bucket_bytes", r.plan.bucket_bytes}};
     j["cuda"] = {{"feasible", r.feasible},
                  {"budget_bytes", r.budget_bytes},
                  {"planner_budget_bytes", r.planner_budget_bytes},
@@ -276,21 +283,7 @@ void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int6
     measured = measure_step_peak(*model.module, step, &opt);
   }
   if (json) {
-    nlohmann::ordered_json j;
-    j["schema"] = "trainmem/1";
-    j["kind"] = "plan_model";
-    j["model"] = {{"file", path}, {"architecture", to_string(config.architecture)}, {"num_layers", config.num_layers}};
-    j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
-    j["plan"] = {{"name", plan.name},
-                 {"feasible", plan.feasible},
-                 {"budget_bytes", plan.budget_bytes},
-                 {"predicted_peak_bytes", plan.predicted_peak_bytes},
-                 {"activation_bytes", plan.activation_bytes},
-                 {"min_peak_bytes", plan.min_peak_bytes},
-                 {"recompute_cost", plan.recompute_cost},
-                 {"forward_cost", plan.forward_cost},
-                 {"num_profiles", plan.num_profiles},
-                 {"bucket_bytes", plan.bucket_bytes}};
+    auto j = plan_model_json(path, config, batch, seq_len, plan);
     if (measured) {
       j["measured"] = {{"peak_bytes", measured->peak_bytes},
                        {"peak_phase", to_string(measured->phase)},
