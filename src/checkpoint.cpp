@@ -63,6 +63,18 @@ RngState RngState::capture(const std::vector<at::Tensor>& tensors) {
   return s;
 }
 
+RngState RngState::capture_stash(const std::vector<at::Tensor>& tensors) {
+  RngState s = capture(tensors);
+  if (mirror_rng_stash_on_meta()) {
+    int64_t bytes = static_cast<int64_t>(s.cpu.nbytes());
+    for (const auto& [device, state] : s.devices) {
+      bytes += static_cast<int64_t>(state.nbytes());
+    }
+    s.meta_mirror = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+  }
+  return s;
+}
+
 void RngState::restore() const {
   {
     auto gen = at::globalContext().defaultGenerator(at::kCPU);
@@ -92,6 +104,11 @@ ForkRng::ForkRng(const RngState* stashed, const std::vector<at::Tensor>& tensors
 }
 
 bool& mirror_rng_fork_on_meta() {
+  thread_local bool on = false;
+  return on;
+}
+
+bool& mirror_rng_stash_on_meta() {
   thread_local bool on = false;
   return on;
 }
@@ -327,7 +344,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
       inputs_.emplace_back(t, /*is_output=*/false);
     }
     if (options_.preserve_rng_state()) {
-      rng_ = RngState::capture(inputs);
+      rng_ = RngState::capture_stash(inputs);
     }
     autocast_ = AutocastState::capture();
   }
@@ -536,7 +553,7 @@ struct ReentrantCheckpointFunction
       at::TensorList inputs) {
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
     if (state->preserve_rng_state) {
-      state->rng = RngState::capture(in);
+      state->rng = RngState::capture_stash(in);
     }
     state->autocast = AutocastState::capture();
     for (const auto& t : in) {

@@ -49,6 +49,7 @@
 #include "trainmem/meta.h"
 #include "trainmem/report.h"
 #include "detail/checkpoint_state.h"
+#include "detail/intercept.h"
 #include "detail/process_library.h"
 
 namespace trainmem {
@@ -301,6 +302,74 @@ class MetaCounter final : public c10::Allocator {
   std::atomic<int64_t> grad_at_peak_{0};
 };
 
+// Note [CPU matmul operand copies on meta]
+// LibTorch's CPU addmm/mm (addmm_impl_cpu_ in aten/src/ATen/native/
+// LinearAlgebra.cpp) hands BLAS each operand in place when one of its dims
+// has stride 1 and the other a leading dimension BLAS accepts; otherwise it
+// clones the operand contiguous for the call, and frees the clone when the op
+// returns (the output too, were it not so, to a Fortran-contiguous copy).
+// The meta kernels do not, so a meta run missed these bytes. The common
+// case is the gradient of a sum: ones expanded to the output's shape
+// (strides 0, 0), the first gradient of backward; both matmuls of the last
+// Linear's backward clone it (seed 001: 67,108,864 B each, one at a time).
+// cpu_blas_operand_copy_bytes() repeats the kernel's choice for the output
+// and both operands; the meta step below holds a meta tensor of those bytes
+// while the op's output is alive (CPU: output, then the clones, then the
+// clones freed).
+// fp32/fp64 only: the reduced-precision types may take oneDNN's path.
+int64_t cpu_blas_operand_copy_bytes(const at::Tensor& c, const at::Tensor& mat1, const at::Tensor& mat2) {
+  if (!c.defined() || !mat1.defined() || !mat2.defined() || c.dim() != 2 || mat1.dim() != 2 ||
+      mat2.dim() != 2 || c.numel() == 0 || mat1.size(1) == 0) {
+    return 0;
+  }
+  const auto st = mat1.scalar_type();
+  if ((st != at::kFloat && st != at::kDouble) || mat2.scalar_type() != st) {
+    return 0;
+  }
+  // Column-major with a leading dimension >= its rows, or row-major with one
+  // >= its columns: BLAS reads it in place; else a contiguous clone.
+  auto copy = [](const at::Tensor& t) -> int64_t {
+    const int64_t r = t.size(0), k = t.size(1), s0 = t.stride(0), s1 = t.stride(1);
+    const bool ok = (s0 == 1 && s1 >= std::max<int64_t>(1, r)) || (s1 == 1 && s0 >= std::max<int64_t>(1, k));
+    return ok ? 0 : t.numel() * static_cast<int64_t>(t.element_size());
+  };
+  return copy(c) + copy(mat1) + copy(mat2);
+}
+
+namespace {
+
+// Below autograd, for predict_step_peak: after a meta mm or addmm returns,
+// holds cpu_blas_operand_copy_bytes() on meta for a moment (its output is
+// alive then, as on CPU while the clones are).
+class CpuKernelModel final : public detail::InterceptHandler {
+ public:
+  void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+              torch::jit::Stack* stack) override {
+    const auto& schema = op.schema();
+    const std::string& name = schema.name();
+    const bool mm = name == "aten::mm" && schema.overload_name().empty();
+    const bool addmm = name == "aten::addmm" && schema.overload_name().empty();
+    if (!mm && !addmm) {
+      scope.call_next(op, ks, stack);
+      return;
+    }
+    const size_t n = schema.arguments().size();
+    const size_t first = stack->size() - n;
+    const at::Tensor m1 = (*stack)[first + (mm ? 0 : 1)].toTensor();
+    const at::Tensor m2 = (*stack)[first + (mm ? 1 : 2)].toTensor();
+    scope.call_next(op, ks, stack);
+    if (!m1.is_meta()) {
+      return;
+    }
+    const int64_t bytes = cpu_blas_operand_copy_bytes(stack->back().toTensor(), m1, m2);
+    if (bytes > 0) {
+      at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+    }
+  }
+};
+
+} // namespace
+
 std::mutex& prediction_mutex() {
   static std::mutex m;
   return m;
@@ -465,6 +534,20 @@ StepPeak predict_step_peak(
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
   auto& counter = MetaCounter::get();
+  // What a CPU run allocates besides the meta kernels' outputs: the CPU
+  // matmuls' operand copies (Note [CPU matmul operand copies on meta]) and
+  // the checkpoints' CPU RNG stashes and recompute fork copies.
+  CpuKernelModel kernels;
+  detail::register_intercept_fallback();
+  detail::InterceptScope kernel_scope(kernels);
+  struct Mirror {
+    bool fork = std::exchange(detail::mirror_rng_fork_on_meta(), true);
+    bool stash = std::exchange(detail::mirror_rng_stash_on_meta(), true);
+    ~Mirror() {
+      detail::mirror_rng_fork_on_meta() = fork;
+      detail::mirror_rng_stash_on_meta() = stash;
+    }
+  } mirror;
   StepPeak r;
   std::vector<int64_t> grad_at_peak;  // per phase window: forward, backward, optimizer step
   for (int step = 0; step < (optimizer != nullptr ? 2 : 1); ++step) {

@@ -141,6 +141,57 @@ TEST(PlannerTest, PredictedStepPeakOfAnMlpStack) {
   }
 }
 
+// Seed 001's residual stack: x + Linear(GELU(Linear(x))) per block, h.sum().
+struct Seed001Stack : torch::nn::Module {
+  Seed001Stack(int64_t blocks, int64_t d) {
+    for (int64_t i = 0; i < blocks; ++i) {
+      l1.push_back(register_module("l1_" + std::to_string(i), torch::nn::Linear(d, d)));
+      l2.push_back(register_module("l2_" + std::to_string(i), torch::nn::Linear(d, d)));
+    }
+  }
+  at::Tensor run(const at::Tensor& x, bool ckpt) {
+    at::Tensor h = x;
+    for (size_t i = 0; i < l1.size(); ++i) {
+      auto block = [this, i](const at::Tensor& t) { return t + l2[i]->forward(at::gelu(l1[i]->forward(t))); };
+      h = ckpt ? trainmem::checkpoint(block, h) : block(h);
+    }
+    return h.sum();
+  }
+  std::vector<torch::nn::Linear> l1, l2;
+};
+
+// Seed 001's experiment scaled down (residual Linear-GELU-Linear blocks, X
+// requiring grad, loss h.sum(), no optimizer), store-all and one checkpoint
+// per block: the meta prediction is the CPU's peak to the byte. Both peaks
+// fall in the last block's backward, while a CPU matmul holds its contiguous
+// clone of h.sum()'s expanded gradient (rows x d fp32); the checkpointed run
+// also holds each block's CPU RNG stash (Note [CPU matmul operand copies on
+// meta], mirror_rng_stash_on_meta()).
+TEST(PlannerTest, PredictedStepPeakOfSeed001sStackIsExact) {
+  trainmem::CpuMemoryTracker::install();
+  constexpr int64_t kBlocks = 4, kD = 64, kRows = 4096;
+  torch::manual_seed(0);
+  Seed001Stack cpu(kBlocks, kD), meta(kBlocks, kD);
+  trainmem::to_meta(meta);
+  auto xc = torch::randn({kRows, kD}).requires_grad_(true);
+  auto xm = at::empty({kRows, kD}, at::kMeta).requires_grad_(true);
+  const int64_t t = kRows * kD * 4;
+  for (bool ckpt : {false, true}) {
+    xc.mutable_grad().reset();
+    xm.mutable_grad().reset();
+    const auto measured = trainmem::measure_step_peak(cpu, [&] { return cpu.run(xc, ckpt); });
+    const auto predicted = trainmem::predict_step_peak(meta, [&] { return meta.run(xm, ckpt); });
+    std::cout << "seed 001 stack, checkpointed " << ckpt << ": predicted " << predicted.peak_bytes
+              << " B, measured " << measured.peak_bytes << " B\n";
+    EXPECT_EQ(predicted.peak_bytes, measured.peak_bytes) << "checkpointed " << ckpt;
+    EXPECT_EQ(predicted.phase, trainmem::StepPhase::kBackward);
+    EXPECT_EQ(measured.phase, trainmem::StepPhase::kBackward);
+    // The peak holds one clone of the expanded gradient beyond the step's tensors:
+    // the prediction is above the saved activations plus parameters by more than t.
+    EXPECT_GT(predicted.peak_bytes, predicted.param_bytes + predicted.activation_bytes + t) << ckpt;
+  }
+}
+
 // Measured and predicted step peaks (AdamW, second step), printed side by side.
 TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
   trainmem::CpuMemoryTracker::install();

@@ -15,7 +15,11 @@ namespace trainmem::detail {
 struct RngState {
   at::Tensor cpu;
   std::vector<std::pair<c10::Device, at::Tensor>> devices;
+  at::Tensor meta_mirror;  // see mirror_rng_stash_on_meta()
   static RngState capture(const std::vector<at::Tensor>& tensors);
+  // capture() for a checkpoint's stash: with mirror_rng_stash_on_meta() on,
+  // also holds a meta tensor of the stash's bytes.
+  static RngState capture_stash(const std::vector<at::Tensor>& tensors);
   void restore() const;
 };
 
@@ -38,6 +42,13 @@ class ForkRng {
 // recompute's CPU generator copy in the meta counter when it is live, not
 // only the stash it adds itself (Note [Checkpoint planner]).
 bool& mirror_rng_fork_on_meta();
+
+// While true on this thread, a checkpoint's RNG stash (RngState made in
+// forward, alive until the region's backward is done) also holds a meta
+// tensor of its bytes: predict_step_peak then counts, on meta, the CPU
+// generator states a real CPU run keeps (5,056 B per checkpointed region
+// with LibTorch's mt19937 CPU generator).
+bool& mirror_rng_stash_on_meta();
 
 struct AutocastState {
   struct Entry {
