@@ -340,11 +340,14 @@ struct CheckpointPlan {
 /// Each block choice is profiled once on meta (its stored bytes, forward
 /// peak, backward transient and recompute cost); selective candidates are
 /// the prefixes of the block's op calls ranked by recompute cost per byte
-/// saved (a greedy knapsack, as PyTorch's SAC estimator ranks ops); a dynamic
-/// program over the blocks (states: bytes stored so far, Pareto-pruned)
-/// finds the cheapest plan whose every phase fits. Ties in cost go to the
-/// smaller peak, so raising the budget never raises the recompute cost and
-/// lowering it never raises the peak. A budget no plan meets gives
+/// saved (a greedy knapsack, as PyTorch's SAC estimator ranks ops); dynamic
+/// programs over the blocks (states: bytes stored so far, on 2-D staircases
+/// of (stored, peak) and (stored, cost)) find the smallest reachable peak and
+/// the cheapest plan whose every phase fits. Ties in cost go to the smaller
+/// peak, so raising the budget never raises the recompute cost and lowering
+/// it never raises the peak, while the search is exact (bucket_bytes == 0;
+/// past 4,096 states at a boundary it buckets stored bytes, see
+/// CheckpointPlan::bucket_bytes). A budget no plan meets gives
 /// feasible = false with the smallest reachable peak and its cost.
 CheckpointPlan plan_checkpointing(const TransformerOptions& model, const PlanOptions& options = {});
 
