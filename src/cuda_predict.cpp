@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <type_traits>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -20,6 +19,7 @@
 
 #include "detail/conv_scratch.h"
 #include "detail/intercept.h"
+#include "detail/optimizer_state.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "trainmem/report.h"
@@ -628,17 +628,8 @@ CudaCheckpointPlan plan_regions_cuda(
     if (model.optimizer == nullptr) {
       return predict_cuda_step_peak(module, loss, nullptr, cuda);
     }
-    auto& state = model.optimizer->state();
-    std::remove_reference_t<decltype(state)> saved;
-    std::swap(saved, state);
-    try {
-      auto r = predict_cuda_step_peak(module, loss, model.optimizer, cuda);
-      std::swap(saved, state);
-      return r;
-    } catch (...) {
-      std::swap(saved, state);
-      throw;
-    }
+    detail::OptimizerStateAside aside(*model.optimizer);
+    return predict_cuda_step_peak(module, loss, model.optimizer, cuda);
   };
   return plan_for_cuda(options, kind, [&](const PlanOptions& o) { return plan_regions(model, o); }, predict);
 }

@@ -50,6 +50,7 @@
 #include "trainmem/report.h"
 #include "detail/checkpoint_state.h"
 #include "detail/intercept.h"
+#include "detail/optimizer_state.h"
 #include "detail/process_library.h"
 
 namespace trainmem {
@@ -1723,16 +1724,8 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   OptimizerProfile opt_prof;
   const bool has_optimizer = model.optimizer != nullptr || static_cast<bool>(model.make_optimizer);
   if (model.optimizer != nullptr) {
-    auto& state = model.optimizer->state();
-    std::remove_reference_t<decltype(state)> saved;
-    std::swap(saved, state);
-    try {
-      opt_prof = profile_optimizer(*model.optimizer, params);
-    } catch (...) {
-      std::swap(saved, state);
-      throw;
-    }
-    std::swap(saved, state);
+    detail::OptimizerStateAside aside(*model.optimizer);
+    opt_prof = profile_optimizer(*model.optimizer, params);
   } else if (model.make_optimizer) {
     auto opt = model.make_optimizer(params);
     TORCH_CHECK(opt != nullptr, "plan_regions: RegionModel::make_optimizer returned null");
@@ -1945,14 +1938,18 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     std::vector<DpState> finals;
     int64_t bucket_bytes = 0;  // Note [Bucketed boundaries]
   };
-  int64_t num_candidates = 0;
+  int64_t num_candidates = 0;  // choices weighed at each boundary, the same in every run below
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
+      num_candidates += static_cast<int64_t>(choices(i, k).size());
+    }
+  }
   auto run_dp = [&](DpGoal goal, int64_t limit, double max_cost, size_t beam) {
     DpRun r;
     auto& layers = r.layers;
     layers.resize(L + 1);
     layers[0].push_back(DpState{});
     std::vector<std::vector<DpState>> incoming(L + 1);
-    num_candidates = 0;
     for (int64_t i = 0; i < L; ++i) {
       if (i > 0) {
         layers[i] = prune_states(std::move(incoming[i]), goal);
@@ -1964,7 +1961,6 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       }
       for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
         const auto c = choices(i, k);
-        num_candidates += static_cast<int64_t>(c.size());
         for (int64_t s = 0; s < static_cast<int64_t>(layers[i].size()); ++s) {
           const auto& st = layers[i][s];
           for (int opt = 0; opt < static_cast<int>(c.size()); ++opt) {
@@ -2044,7 +2040,6 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   const DpRun& least_peak = runs.emplace_back(run_dp(DpGoal::kPeak, 0, 0.0, 0));
   const int64_t min_peak =
       std::min_element(least_peak.finals.begin(), least_peak.finals.end(), by_peak)->peak;
-  const int64_t candidates_weighed = num_candidates;
   struct Pick {
     const DpRun* run = nullptr;
     int64_t index = -1;
@@ -2076,7 +2071,6 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   const int64_t limit = options.budget_bytes() > 0 ? options.budget_bytes() : std::numeric_limits<int64_t>::max();
   const Pick within = cheapest_within(std::max(limit, min_peak));
   const Pick at_min_peak = limit <= min_peak ? within : cheapest_within(min_peak);
-  num_candidates = candidates_weighed;
   plan.feasible = within.state().peak <= limit;
   plan.budget_bytes = options.budget_bytes();
   plan.min_peak_bytes = at_min_peak.state().peak;

@@ -220,32 +220,43 @@ void run_plan_model_cuda(const std::string& path, const HfConfig& config, int64_
     auto j = plan_model_json(path, config, batch, seq_len, r.plan);
     j["device"] = device;
     j["budget_kind"] = to_string(kind);
-    j["cuda"] = {{"feasible", r.feasible},
-                 {"budget_bytes", r.budget_bytes},
-                 {"planner_budget_bytes", r.planner_budget_bytes},
-                 {"rounds", r.num_rounds},
-                 {"max_memory_allocated_bytes", r.cuda.max_memory_allocated_bytes},
-                 {"max_memory_reserved_bytes", r.cuda.max_memory_reserved_bytes}};
+    j["cuda"] = cuda_plan_json(r);
+    j["cuda"]["rounds"] = r.num_rounds;
     std::cout << j.dump(2) << "\n";
   } else {
     std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, fp32, AdamW (planned on meta for --device {}: "
                              "budget {} B on max_memory_{}, predicted; nothing is run)\n\n",
                              describe(config, path), batch, seq_len, device, with_commas(budget), to_string(kind));
-    std::cout << to_string(r.plan);
-    std::cout << "\n" << to_string(r.cuda);
-    std::cout << fmt::format("planner budget after {} round(s): {} B (CUDA adds workspaces, rounding, copies, slack)\n",
-                             r.num_rounds, with_commas(r.planner_budget_bytes));
+    std::cout << cuda_plan_text(r);
   }
+  check_cuda_plan_fits(r);
+}
+
+} // namespace
+
+std::string cuda_plan_text(const CudaCheckpointPlan& r) {
+  return to_string(r.plan) + "\n" + to_string(r.cuda) +
+         fmt::format("planner budget after {} round(s): {} B (CUDA adds workspaces, rounding, copies, slack)\n",
+                     r.num_rounds, with_commas(r.planner_budget_bytes));
+}
+
+nlohmann::ordered_json cuda_plan_json(const CudaCheckpointPlan& r) {
+  return {{"feasible", r.feasible},
+          {"budget_bytes", r.budget_bytes},
+          {"planner_budget_bytes", r.planner_budget_bytes},
+          {"max_memory_allocated_bytes", r.cuda.max_memory_allocated_bytes},
+          {"max_memory_reserved_bytes", r.cuda.max_memory_reserved_bytes}};
+}
+
+void check_cuda_plan_fits(const CudaCheckpointPlan& r) {
   if (!r.feasible) {
     throw CheckFailed(fmt::format("no plan's predicted CUDA max_memory_{} fits {} B (the last plan tried, '{}', "
                                   "predicts {} B allocated, {} B reserved)",
-                                  to_string(kind), with_commas(budget), r.plan.name,
+                                  to_string(r.kind), with_commas(r.budget_bytes), r.plan.name,
                                   with_commas(r.cuda.max_memory_allocated_bytes),
                                   with_commas(r.cuda.max_memory_reserved_bytes)));
   }
 }
-
-} // namespace
 
 void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
                     bool run, bool json, const CudaPredictOptions* cuda, CudaBudgetKind kind,

@@ -6,6 +6,7 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "trainmem/cuda_predict.h"
 
@@ -41,5 +42,13 @@ void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_
 void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
                     bool run, bool json, const CudaPredictOptions* cuda = nullptr,
                     CudaBudgetKind kind = CudaBudgetKind::kAllocated, const std::string& device = "cpu");
+
+/// What a plan for a CUDA budget adds to `plan`'s output, with the bundled
+/// model or a model file: the plan, its predicted CUDA step and the planner's
+/// last budget (text); the `cuda` object of `--json`; and CheckFailed (exit 3)
+/// naming the last plan's peaks when none fits.
+std::string cuda_plan_text(const CudaCheckpointPlan& r);
+nlohmann::ordered_json cuda_plan_json(const CudaCheckpointPlan& r);
+void check_cuda_plan_fits(const CudaCheckpointPlan& r);
 
 } // namespace trainmem::cli

@@ -20,6 +20,7 @@
 #include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
+#include "trainmem/report.h"
 #include "trainmem/transformer.h"
 
 namespace trainmem::cli {
@@ -37,15 +38,6 @@ struct PlanFlags {
   std::string model_file;                 // --model: a config.json (model_file.cpp)
   bool run_model = false;                 // --run: with --model, run the plan on CPU
 };
-
-std::string commas(int64_t v) {
-  std::string s = std::to_string(v < 0 ? -v : v), out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i != 0 && (s.size() - i) % 3 == 0) out += ',';
-    out += s[i];
-  }
-  return v < 0 ? "-" + out : out;
-}
 
 nlohmann::json plan_json(const CheckpointPlan& p) {
   nlohmann::json blocks = nlohmann::json::array();
@@ -136,27 +128,15 @@ void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions
         {"budget_kind", to_string(kind)},
         {"plan", plan_json(r.plan)},
         {"cost_unit", unit},
-        {"cuda", {{"feasible", r.feasible},
-                  {"budget_bytes", r.budget_bytes},
-                  {"planner_budget_bytes", r.planner_budget_bytes},
-                  {"max_memory_allocated_bytes", r.cuda.max_memory_allocated_bytes},
-                  {"max_memory_reserved_bytes", r.cuda.max_memory_reserved_bytes}}},
+        {"cuda", cuda_plan_json(r)},
     };
     std::cout << doc.dump() << "\n";
   } else {
     std::cout << fmt::format("trainmem plan --device {}: budget {} B on max_memory_{} (predicted; nothing is run)\n\n",
-                             f.device, commas(r.budget_bytes), to_string(kind));
-    std::cout << to_string(r.plan);
-    std::cout << "\n" << to_string(r.cuda);
-    std::cout << fmt::format("planner budget after {} round(s): {} B (CUDA adds workspaces, rounding, copies, slack)\n",
-                             r.num_rounds, commas(r.planner_budget_bytes));
+                             f.device, with_commas(r.budget_bytes), to_string(kind));
+    std::cout << cuda_plan_text(r);
   }
-  if (!r.feasible) {
-    throw CheckFailed(fmt::format("no plan's predicted CUDA max_memory_{} fits {} B (the last plan tried, '{}', "
-                                  "predicts {} B allocated, {} B reserved)",
-                                  to_string(kind), commas(r.budget_bytes), r.plan.name,
-                                  commas(r.cuda.max_memory_allocated_bytes), commas(r.cuda.max_memory_reserved_bytes)));
-  }
+  check_cuda_plan_fits(r);
 }
 
 void run(const PlanFlags& f) {
@@ -210,7 +190,7 @@ void run(const PlanFlags& f) {
   const std::string unmet = fmt::format(
       "no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'), at a "
       "recompute cost of {:.6g} {} ({:.1f} % of a forward)",
-      commas(budget), commas(plan.min_peak_bytes), plan.name, plan.min_peak_cost, unit,
+      with_commas(budget), with_commas(plan.min_peak_bytes), plan.name, plan.min_peak_cost, unit,
       plan.forward_cost > 0 ? 100.0 * plan.min_peak_cost / plan.forward_cost : 0.0);
   std::optional<Measured> measured;
   if (plan.feasible && !f.no_run) {
@@ -246,11 +226,11 @@ void run(const PlanFlags& f) {
       std::cout << "\nran it (one AdamW step after a warm-up step)\n";
       std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "", "predicted B", "measured B");
       std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (CPU allocator)",
-                               commas(plan.predicted_peak_bytes), commas(c.peak_bytes));
+                               with_commas(plan.predicted_peak_bytes), with_commas(c.peak_bytes));
       std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (whole step on meta)",
-                               commas(measured->meta.peak_bytes), commas(c.peak_bytes));
-      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "saved for backward", commas(plan.activation_bytes),
-                               commas(c.activation_bytes));
+                               with_commas(measured->meta.peak_bytes), with_commas(c.peak_bytes));
+      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "saved for backward", with_commas(plan.activation_bytes),
+                               with_commas(c.activation_bytes));
       std::cout << fmt::format("  peak phase: predicted {}, measured {}; step time {:.1f} ms (mean of two)\n",
                                to_string(plan.peak_phase), to_string(c.phase), measured->step_ms);
       std::cout << fmt::format("  measured / predicted peak {:.3f}; {}\n",
