@@ -25,6 +25,9 @@ build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
+# Paths under the checkout are hashed relative to it, so a clean clone or a
+# worktree elsewhere hits the cache that another checkout filled.
+export CCACHE_BASEDIR ?= $(CURDIR)
 
 # The demo is `trainmem audit` on its defaults: the seed's capstone, audited.
 demo: build
