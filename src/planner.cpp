@@ -1226,6 +1226,7 @@ struct HeadProfile {
   int64_t backward_transient_bytes = 0;
   int64_t in_bytes = 0;           // the last region's output
   bool in_kept = false;           // the loss saves it (pow, nll_loss; not log_softmax + nll)
+  int64_t loss_bytes = 0;         // the loss itself, live through the whole backward
 };
 
 HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& loss_fn,
@@ -1249,6 +1250,7 @@ HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& los
   h.stored_bytes = meter.report().saved_bytes;  // the last output included where the loss saves it
   h.in_bytes = storage_bytes(y);
   h.in_kept = kept_by_autograd(y);
+  h.loss_bytes = storage_bytes(loss);
   counter.reset_peak();
   loss.backward();
   h.backward_transient_bytes = counter.peak() - after;
@@ -1972,7 +1974,10 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
                 (st.counted && prof.in_kept ? prof.in_bytes : 0);
             const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
                 (st.counted ? prof.in_bytes : 0);
-            const int64_t bwd = Z + st.stored + stored + grads_after[i + k] + ch.backward_transient_bytes;
+            // The step's loss (the caller holds it while backward runs) is
+            // live beside every region's backward, as beside the head's.
+            const int64_t bwd = Z + st.stored + stored + grads_after[i + k] + ch.backward_transient_bytes +
+                head.loss_bytes;
             DpState n;
             n.stored = st.stored + stored;
             n.cost = st.cost + ch.recompute_cost;
@@ -2001,7 +2006,8 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       const int64_t in_counted = f.counted ? head.in_bytes : 0;
       const int64_t head_stored = head.stored_bytes - (head.in_kept ? in_counted : 0);
       raise_peak(f, Z + f.stored + head.forward_peak_bytes - in_counted, StepPhase::kForward);
-      raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes, StepPhase::kBackward);
+      raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes + head.loss_bytes,
+                 StepPhase::kBackward);
       if (has_optimizer) {
         raise_peak(f, Z + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
       }

@@ -203,18 +203,18 @@ TEST(RegionPlannerTest, CapstonePlansAreUnchanged) {
     std::vector<int64_t> stored_bytes;
   };
   const std::vector<Expected> expected = {
-      {40, 41859268, {"selective", "selective", "selective", "selective", "selective", "store"}, {1, 1, 2, 3, 3, 0},
+      {40, 41859272, {"selective", "selective", "selective", "selective", "selective", "store"}, {1, 1, 2, 3, 3, 0},
        {2097152, 2097152, 2621440, 4718592, 4718592, 8421376}},
-      {32, 33470660, {"checkpoint", "checkpoint", "selective", "selective", "selective", "store"}, {0, 0, 1, 1, 2, 0},
+      {32, 33470664, {"checkpoint", "checkpoint", "selective", "selective", "selective", "store"}, {0, 0, 1, 1, 2, 0},
        {524288, 524288, 2097152, 2097152, 2621440, 8421376}},
-      {48, 50280644, {"selective", "selective", "selective", "selective", "selective", "store"}, {3, 3, 3, 4, 4, 0},
+      {48, 50280648, {"selective", "selective", "selective", "selective", "selective", "store"}, {3, 3, 3, 4, 4, 0},
        {4718592, 4718592, 4718592, 5259264, 5259264, 8421376}},
   };
   for (const auto& e : expected) {
     const auto plan = trainmem::plan_checkpointing(o, PlanOptions().budget_bytes(e.budget_mib << 20));
     ASSERT_TRUE(plan.feasible);
     EXPECT_EQ(plan.predicted_peak_bytes, e.peak_bytes) << e.budget_mib << " MiB\n" << to_string(plan);
-    EXPECT_EQ(plan.min_peak_bytes, 29551556);
+    EXPECT_EQ(plan.min_peak_bytes, 29551560);
     ASSERT_EQ(plan.blocks.size(), 6u);
     for (size_t i = 0; i < 6; ++i) {
       EXPECT_EQ(to_string(plan.blocks[i].mode), e.modes[i]) << e.budget_mib << " MiB, block " << i;
