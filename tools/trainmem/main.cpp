@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   trainmem::cli::add_estimate_command(app);
   trainmem::cli::add_report_command(app);
   trainmem::cli::add_plan_command(app);
+  trainmem::cli::add_snapshot_command(app);
   try {
     app.parse(argc, argv);  // subcommand callbacks run in here
   } catch (const CLI::Success& e) {
