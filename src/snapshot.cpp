@@ -61,8 +61,17 @@ class Unpickler {
         case 'J': push_int(static_cast<int32_t>(le(take(4), 4))); break;
         case 0x8a: case 0x8b: {  // LONG1, LONG4
           const uint64_t n = op == 0x8a ? u8(take(1)) : le(take(4), 4);
-          TORCH_CHECK(n <= 8, "snapshot: integer of ", n, " bytes at byte ", at, " does not fit in 64 bits");
+          // Python writes unsigned 64-bit values of 2^63 and more (CUDA
+          // stream handles) in 9 bytes, the last one a 0 sign byte.
+          TORCH_CHECK(n <= 8 || n == 9, "snapshot: integer of ", n, " bytes at byte ", at,
+                      " does not fit in 64 bits");
           const char* p = take(n);
+          if (n == 9) {
+            TORCH_CHECK(u8(p + 8) == 0, "snapshot: negative integer of 9 bytes at byte ", at,
+                        " does not fit in 64 bits");
+            push_int(static_cast<int64_t>(le(p, 8)));
+            break;
+          }
           uint64_t v = le(p, n);
           if (n > 0 && n < 8 && (u8(p + n - 1) & 0x80)) v |= ~uint64_t{0} << (8 * n);  // sign-extend
           push_int(static_cast<int64_t>(v));

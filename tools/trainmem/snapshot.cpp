@@ -38,9 +38,9 @@ void print_text(const std::string& file, const Snapshot& snap, const SnapshotRep
   std::cout << "snapshot " << file << ": " << with_commas(r.num_events) << " events, " << snap.segments.size()
             << " segments at the end, " << with_commas(r.num_preexisting_blocks) << " blocks live before recording ("
             << with_commas(r.preexisting_reserved_bytes) << " B reserved)\n";
-  std::cout << "                        recorded            model\n";
+  std::cout << "                          recorded          model\n";
   auto row = [](const char* name, int64_t a, int64_t b) {
-    std::cout << "  " << name << std::string(22 - std::string(name).size(), ' ') << with_commas(a) << "  "
+    std::cout << "  " << name << std::string(24 - std::string(name).size(), ' ') << with_commas(a) << "  "
               << with_commas(b) << "\n";
   };
   row("peak reserved B", r.recorded.peak_reserved_bytes, r.model.peak_reserved_bytes);
