@@ -91,7 +91,10 @@ Snapshot read_snapshot(const std::string& path);
 struct SnapshotFigures {
   int64_t peak_reserved_bytes = 0;
   int64_t peak_requested_bytes = 0;   ///< highest sum of live requested sizes
-  int64_t peak_allocated_bytes = 0;   ///< highest sum of live rounded blocks
+  /// Highest sum of live blocks. Recorded: the requests rounded to 512 B (the
+  /// trace holds requested sizes, so a block's unsplit remainder is not
+  /// seen); model: the blocks it handed out, remainders included.
+  int64_t peak_allocated_bytes = 0;
   int64_t num_segment_allocs = 0;     ///< cudaMalloc calls during the trace
   int64_t num_segment_frees = 0;      ///< cudaFree calls during the trace
   int64_t peak_event = -1;            ///< trace index where reserved first peaked (-1: before the trace)
