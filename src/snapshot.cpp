@@ -346,13 +346,21 @@ std::vector<Request> preexisting(const Snapshot& snap) {
 
 struct ModelRun {
   SnapshotFigures fig;
+  int64_t free_at_peak_bytes = 0;
+  int64_t free_in_unused_bytes = 0;
+  std::vector<StrandedSegment> stranded;
   std::vector<std::pair<int64_t, int64_t>> device_calls;  // (event, +size alloc / -size free)
 };
 
 ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, CudaAllocatorConfig config) {
   CudaCachingAllocatorModel m(std::move(config));
-  std::unordered_map<uint64_t, uint64_t> addr;  // recorded -> model
-  for (const auto& r : before) addr[r.addr] = m.malloc(r.requested_bytes, r.stream);
+  std::unordered_map<uint64_t, uint64_t> addr;   // recorded -> model
+  std::unordered_map<uint64_t, int64_t> event_of;  // model -> alloc event (-1: before recording)
+  for (const auto& r : before) {
+    addr[r.addr] = m.malloc(r.requested_bytes, r.stream);
+    event_of[addr[r.addr]] = -1;
+  }
+  std::vector<CudaSegmentInfo> at_peak = m.segments();
   m.reset_peak();
   ModelRun run;
   auto s0 = m.stats();
@@ -366,6 +374,7 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
       peak_reserved = s.reserved_bytes;
       run.fig.peak_event = event;
       run.fig.allocated_at_peak_reserved_bytes = s.allocated_bytes;
+      at_peak = m.segments();
     }
   };
   for (size_t i = 0; i < snap.traces.size(); ++i) {
@@ -373,6 +382,7 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
     const auto s = m.stats();
     if (e.action == "alloc") {
       addr[e.addr] = m.malloc(e.size_bytes, e.stream);
+      event_of[addr[e.addr]] = static_cast<int64_t>(i);
     } else if (e.action == "free_completed") {
       auto it = addr.find(e.addr);
       if (it == addr.end()) continue;
@@ -389,6 +399,32 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
   run.fig.peak_allocated_bytes = s.peak_allocated_bytes;
   run.fig.num_segment_allocs = s.num_device_allocs - s0.num_device_allocs;
   run.fig.num_segment_frees = s.num_device_frees - s0.num_device_frees;
+  // Where the free bytes sat when reserved peaked.
+  for (const auto& seg : at_peak) {
+    StrandedSegment st;
+    st.total_bytes = seg.total_bytes;
+    st.large_pool = seg.large_pool;
+    int64_t largest = 0;
+    for (const auto& b : seg.blocks) {
+      if (!b.allocated) {
+        st.free_bytes += b.size_bytes;
+        continue;
+      }
+      ++st.num_allocated_blocks;
+      if (b.size_bytes > largest) {
+        largest = b.size_bytes;
+        auto it = event_of.find(b.address);
+        st.frames = it != event_of.end() && it->second >= 0 ? snap.traces[static_cast<size_t>(it->second)].frames
+                                                            : std::vector<SnapshotFrame>{};
+      }
+    }
+    run.free_at_peak_bytes += st.free_bytes;
+    if (st.num_allocated_blocks == 0) run.free_in_unused_bytes += st.free_bytes;
+    if (st.free_bytes > 0 && st.num_allocated_blocks > 0) run.stranded.push_back(std::move(st));
+  }
+  std::stable_sort(run.stranded.begin(), run.stranded.end(),
+                   [](const auto& a, const auto& b) { return a.free_bytes > b.free_bytes; });
+  if (run.stranded.size() > 10) run.stranded.resize(10);
   return run;
 }
 
@@ -473,6 +509,9 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
 
   auto run = run_model(snap, before, config);
   r.model = run.fig;
+  r.model_free_at_peak_bytes = run.free_at_peak_bytes;
+  r.stranded_at_peak = run.stranded;
+  r.model_free_in_unused_segments_bytes = run.free_in_unused_bytes;
   // The model's device calls happen during the alloc/free that caused them;
   // the recording logs segment_alloc just before its alloc, segment_free
   // before the event that follows. Compare them by order and size direction,

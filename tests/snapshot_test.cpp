@@ -176,6 +176,9 @@ TEST(SnapshotTest, ReplaysCs336FullStepExactly) {
   EXPECT_EQ(r.model.peak_reserved_bytes, 61111009280);
   EXPECT_EQ(r.model.num_segment_allocs, 783);
   EXPECT_EQ(r.model.peak_allocated_bytes, 55079000576);
+  EXPECT_EQ(r.model_free_at_peak_bytes, 61111009280 - 55079000576);
+  ASSERT_FALSE(r.stranded_at_peak.empty());
+  EXPECT_EQ(r.stranded_at_peak[0].free_bytes, 78643200);
   const auto w = trainmem::what_if_snapshot(trainmem::read_snapshot(path), {"expandable_segments:True"});
   ASSERT_EQ(w.size(), 1u);
   EXPECT_EQ(w[0].peak_reserved_bytes, 55511613440);

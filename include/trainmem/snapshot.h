@@ -108,6 +108,18 @@ struct LiveAllocation {
   std::vector<SnapshotFrame> frames;
 };
 
+/// A segment of the model, when reserved peaked, that holds both allocated
+/// and free blocks: its free bytes are reserved but cannot serve requests
+/// of other pools or larger sizes.
+struct StrandedSegment {
+  int64_t total_bytes = 0;      ///< in bytes
+  int64_t free_bytes = 0;       ///< free blocks inside it, in bytes
+  bool large_pool = false;
+  int64_t num_allocated_blocks = 0;
+  /// Frames of the largest allocation in it (the one that split it, most often).
+  std::vector<SnapshotFrame> frames;
+};
+
 /// What replay_snapshot() finds.
 struct SnapshotReplay {
   int64_t num_events = 0;
@@ -119,6 +131,13 @@ struct SnapshotReplay {
   std::optional<int64_t> first_mismatch;  ///< trace index of the first divergence
   std::string mismatch;                   ///< what the recording did and what the model did
   std::vector<LiveAllocation> top_live_at_peak;  ///< recorded, largest first (at most 10)
+  /// Model's reserved minus allocated when reserved peaked, in bytes: the
+  /// sum of free blocks in all its segments then.
+  int64_t model_free_at_peak_bytes = 0;
+  /// The part of model_free_at_peak_bytes in segments with no allocated block (cached whole), in bytes.
+  int64_t model_free_in_unused_segments_bytes = 0;
+  /// The model's partly used segments at its reserved peak, most free bytes first (at most 10).
+  std::vector<StrandedSegment> stranded_at_peak;
 };
 
 /// Replays `snap`'s trace: the blocks live before recording (live at the end

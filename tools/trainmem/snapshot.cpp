@@ -54,6 +54,14 @@ void print_text(const std::string& file, const Snapshot& snap, const SnapshotRep
   for (const auto& a : r.top_live_at_peak) {
     std::cout << "  " << with_commas(a.requested_bytes) << " B  " << where(a.frames) << "\n";
   }
+  std::cout << "model at its reserved peak: " << with_commas(r.model_free_at_peak_bytes)
+            << " B free inside segments, " << with_commas(r.model_free_in_unused_segments_bytes)
+            << " B of it in segments with nothing allocated; partly used segments with the most free bytes:\n";
+  for (const auto& st : r.stranded_at_peak) {
+    std::cout << "  " << with_commas(st.free_bytes) << " B free of " << with_commas(st.total_bytes) << " B ("
+              << (st.large_pool ? "large" : "small") << ", " << st.num_allocated_blocks << " allocated; largest from "
+              << where(st.frames) << ")\n";
+  }
   if (!w.empty()) {
     std::cout << "what if (replayed from an empty allocator):\n";
     size_t best = 0;
@@ -119,7 +127,9 @@ void add_snapshot_command(CLI::App& app) {
                      {"first_mismatch", r.first_mismatch ? nlohmann::json(*r.first_mismatch) : nlohmann::json()},
                      {"mismatch", r.mismatch},
                      {"recorded", figures_json(r.recorded)},
-                     {"model", figures_json(r.model)}};
+                     {"model", figures_json(r.model)},
+                     {"model_free_at_peak_bytes", r.model_free_at_peak_bytes},
+                     {"model_free_in_unused_segments_bytes", r.model_free_in_unused_segments_bytes}};
       j["what_if"] = nlohmann::json::array();
       for (const auto& x : w) {
         j["what_if"].push_back({{"alloc_conf", x.alloc_conf},
