@@ -349,14 +349,85 @@ struct ModelRun {
   int64_t free_at_peak_bytes = 0;
   int64_t free_in_unused_bytes = 0;
   std::vector<StrandedSegment> stranded;
+  int64_t first_address_mismatch = -1;  // seeded: first alloc the model placed elsewhere
   std::vector<std::pair<int64_t, int64_t>> device_calls;  // (event, +size alloc / -size free)
 };
 
-ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, CudaAllocatorConfig config) {
+// Seeds `m` with the segments that existed when recording began, at their
+// recorded addresses: each holds the blocks live then (their recorded block
+// size when still live at the end, else the request rounded), with the gaps
+// free. A gap of 1 MiB or less after a large-pool block cannot have been
+// split off (the allocator splits only larger remainders), so it belongs to
+// that block. Returns the requests it could not place.
+std::vector<Request> seed_segments(const Snapshot& snap, const std::vector<Request>& before,
+                                   CudaCachingAllocatorModel& m, std::unordered_map<uint64_t, uint64_t>& addr) {
+  std::unordered_set<uint64_t> created;
+  for (const auto& e : snap.traces) {
+    if (e.action == "segment_alloc") created.insert(e.addr);
+  }
+  std::unordered_map<uint64_t, int64_t> final_size;
+  for (const auto& sg : snap.segments) {
+    for (const auto& b : sg.blocks) final_size[b.address] = b.size_bytes;
+  }
+  std::vector<bool> placed(before.size(), false);
+  for (const auto& sg : snap.segments) {
+    if (created.count(sg.address) || sg.expandable) continue;
+    const bool large = sg.segment_type != "small";
+    const uint64_t end = sg.address + static_cast<uint64_t>(sg.total_bytes);
+    std::vector<CudaBlockInfo> blocks;
+    uint64_t at = sg.address;
+    bool ok = true;
+    std::vector<size_t> mine;
+    for (size_t k = 0; k < before.size(); ++k) {  // `before` is sorted by address
+      const auto& r = before[k];
+      if (r.addr < sg.address || r.addr >= end) continue;
+      auto fs = final_size.find(r.addr);
+      int64_t size = fs != final_size.end() ? fs->second : m.round_size(r.requested_bytes);
+      if (r.addr < at || r.addr + static_cast<uint64_t>(size) > end) {
+        ok = false;
+        break;
+      }
+      if (r.addr > at) {
+        const int64_t gap = static_cast<int64_t>(r.addr - at);
+        if (large && !blocks.empty() && blocks.back().allocated && gap <= (int64_t{1} << 20)) {
+          blocks.back().size_bytes += gap;
+        } else {
+          blocks.push_back({at, gap, 0, false});
+        }
+      }
+      blocks.push_back({r.addr, size, r.requested_bytes, true});
+      mine.push_back(k);
+      at = r.addr + static_cast<uint64_t>(size);
+    }
+    if (!ok) continue;
+    if (at < end) {
+      const int64_t gap = static_cast<int64_t>(end - at);
+      if (large && !blocks.empty() && blocks.back().allocated && gap <= (int64_t{1} << 20)) {
+        blocks.back().size_bytes += gap;
+      } else {
+        blocks.push_back({at, gap, 0, false});
+      }
+    }
+    m.add_segment(sg.address, sg.total_bytes, large, sg.stream, blocks);
+    for (size_t k : mine) {
+      placed[k] = true;
+      addr[before[k].addr] = before[k].addr;
+    }
+  }
+  std::vector<Request> rest;
+  for (size_t k = 0; k < before.size(); ++k) {
+    if (!placed[k]) rest.push_back(before[k]);
+  }
+  return rest;
+}
+
+ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, CudaAllocatorConfig config,
+                   bool seeded = false) {
   CudaCachingAllocatorModel m(std::move(config));
   std::unordered_map<uint64_t, uint64_t> addr;   // recorded -> model
   std::unordered_map<uint64_t, int64_t> event_of;  // model -> alloc event (-1: before recording)
-  for (const auto& r : before) {
+  const auto unplaced = seeded ? seed_segments(snap, before, m, addr) : before;
+  for (const auto& r : unplaced) {
     addr[r.addr] = m.malloc(r.requested_bytes, r.stream);
     event_of[addr[r.addr]] = -1;
   }
@@ -380,8 +451,16 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
   for (size_t i = 0; i < snap.traces.size(); ++i) {
     const auto& e = snap.traces[i];
     const auto s = m.stats();
+    if (seeded && e.action == "segment_alloc") {
+      m.set_next_segment_address(e.addr);
+      continue;
+    }
     if (e.action == "alloc") {
       addr[e.addr] = m.malloc(e.size_bytes, e.stream);
+      if (seeded) m.set_next_segment_address(0);
+      if (seeded && addr[e.addr] != e.addr && run.first_address_mismatch < 0) {
+        run.first_address_mismatch = static_cast<int64_t>(i);
+      }
       event_of[addr[e.addr]] = static_cast<int64_t>(i);
     } else if (e.action == "free_completed") {
       auto it = addr.find(e.addr);
@@ -507,7 +586,7 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
     r.top_live_at_peak.push_back(std::move(la));
   }
 
-  auto run = run_model(snap, before, config);
+  auto run = run_model(snap, before, config, /*seeded=*/true);
   r.model = run.fig;
   r.model_free_at_peak_bytes = run.free_at_peak_bytes;
   r.stranded_at_peak = run.stranded;
@@ -540,6 +619,14 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
                    (have_model ? what(run.device_calls[k]) : std::string("nothing"));
       break;
     }
+  }
+  if (run.first_address_mismatch >= 0 && (r.matches || run.first_address_mismatch < *r.first_mismatch)) {
+    const auto& e = snap.traces[static_cast<size_t>(run.first_address_mismatch)];
+    r.matches = false;
+    r.first_mismatch = run.first_address_mismatch;
+    r.mismatch = "alloc of " + std::to_string(e.size_bytes) + " B at event " +
+                 std::to_string(run.first_address_mismatch) + ": recorded at address " + std::to_string(e.addr) +
+                 ", model elsewhere";
   }
   if (r.matches && rec.peak_reserved_bytes != r.model.peak_reserved_bytes) {
     r.matches = false;
