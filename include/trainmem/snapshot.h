@@ -140,12 +140,15 @@ struct SnapshotReplay {
   std::vector<StrandedSegment> stranded_at_peak;
 };
 
-/// Replays `snap`'s trace: the blocks live before recording (live at the end
-/// and not allocated in the trace, or freed in the trace without being
-/// allocated there) are allocated first, lowest address first, then every
-/// alloc and free_completed goes to a CudaCachingAllocatorModel with
-/// `config`. Compares the model's cudaMalloc/cudaFree calls event by event
-/// with the recorded segment_alloc/segment_free.
+/// Replays `snap`'s trace. The segments that existed when recording began
+/// (in the final `segments` without a segment_alloc in the trace) are added
+/// to a CudaCachingAllocatorModel with `config` at their recorded addresses
+/// (CudaCachingAllocatorModel::add_segment), holding the blocks live then:
+/// live at the end and not allocated in the trace, or freed in the trace
+/// without an alloc there. Each recorded segment_alloc gives the next
+/// cudaMalloc its address. Then every alloc and free_completed goes to the
+/// model, and its cudaMalloc/cudaFree calls and block addresses are compared
+/// event by event with the recording.
 SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& config = {});
 
 /// One row of what_if_snapshot().
