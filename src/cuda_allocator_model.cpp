@@ -234,6 +234,43 @@ struct CudaCachingAllocatorModel::Impl {
   std::unordered_map<uint64_t, Block*> active;
   CudaAllocatorStats s;
   uint64_t next_address = 0x7f0000000000ULL;
+  uint64_t pinned_address = 0;
+
+  // add_segment(): a segment that was there before the model started.
+  void add_segment(uint64_t address, int64_t total_bytes, bool large_pool, int64_t stream,
+                   const std::vector<CudaBlockInfo>& blocks) {
+    TORCH_CHECK(total_bytes > 0, "CudaCachingAllocatorModel::add_segment: expected a size > 0, but got ", total_bytes);
+    int64_t sum = 0;
+    for (const auto& bi : blocks) sum += bi.size_bytes;
+    TORCH_CHECK(sum == total_bytes && !blocks.empty() && blocks.front().address == address,
+                "CudaCachingAllocatorModel::add_segment: expected blocks tiling the ", total_bytes,
+                " B segment at ", address, ", but they cover ", sum, " B");
+    Pool& pool = large_pool ? large : small;
+    Block* prev = nullptr;
+    for (const auto& bi : blocks) {
+      auto* b = new Block();
+      b->ptr = bi.address;
+      b->base = address;
+      b->size = bi.size_bytes;
+      b->requested = bi.requested_bytes;
+      b->stream = stream;
+      b->pool = &pool;
+      b->allocated = bi.allocated;
+      b->prev = prev;
+      if (prev != nullptr) prev->next = b;
+      prev = b;
+      if (b->allocated) {
+        active[b->ptr] = b;
+        add(s.allocated_bytes, s.peak_allocated_bytes, b->size);
+        add(s.requested_bytes, s.peak_requested_bytes, b->requested);
+      } else {
+        pool.blocks.insert(b);
+        if (blocks.size() > 1) add_inactive_split(b->size);
+      }
+    }
+    add_reserved(total_bytes);
+    s.num_segments += 1;
+  }
 
   int64_t max_split() const { return config.max_split_size_bytes(); }
 
@@ -285,6 +322,11 @@ struct CudaCachingAllocatorModel::Impl {
   void add_reserved(int64_t amount) { add(s.reserved_bytes, s.peak_reserved_bytes, amount); }
 
   uint64_t new_address(int64_t size) {
+    if (pinned_address != 0) {  // set_next_segment_address(): a recorded cudaMalloc's address
+      const uint64_t a = pinned_address;
+      pinned_address = 0;
+      return a;
+    }
     const uint64_t a = next_address;
     next_address += static_cast<uint64_t>(round_up(size, kRoundLarge) + kRoundLarge);
     return a;
@@ -773,6 +815,13 @@ uint64_t CudaCachingAllocatorModel::malloc(int64_t bytes, int64_t stream) {
 }
 void CudaCachingAllocatorModel::free(uint64_t address) {
   impl_->free(address);
+}
+void CudaCachingAllocatorModel::set_next_segment_address(uint64_t address) {
+  impl_->pinned_address = address;
+}
+void CudaCachingAllocatorModel::add_segment(uint64_t address, int64_t total_bytes, bool large_pool, int64_t stream,
+                                            const std::vector<CudaBlockInfo>& blocks) {
+  impl_->add_segment(address, total_bytes, large_pool, stream, blocks);
 }
 void CudaCachingAllocatorModel::empty_cache() {
   impl_->release_cached_blocks();

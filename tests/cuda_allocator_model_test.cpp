@@ -276,3 +276,20 @@ TEST(CudaAllocatorModelTest, RejectsBadInput) {
 }
 
 } // namespace
+
+TEST(CudaAllocatorModelTest, AddsSegmentsAtGivenAddresses) {
+  trainmem::CudaCachingAllocatorModel cuda;
+  const uint64_t base = 0x10000000;
+  // A 20 MiB large segment: 4 MiB allocated, 16 MiB free.
+  cuda.add_segment(base, 20 << 20, /*large_pool=*/true, 0,
+                   {{base, 4 << 20, 4 << 20, true}, {base + (4 << 20), 16 << 20, 0, false}});
+  EXPECT_EQ(cuda.stats().reserved_bytes, 20 << 20);
+  EXPECT_EQ(cuda.stats().allocated_bytes, 4 << 20);
+  EXPECT_EQ(cuda.stats().num_device_allocs, 0);
+  EXPECT_EQ(cuda.malloc(2 << 20), base + (4 << 20));  // served from the free block
+  cuda.free(base);                                      // the pre-existing block frees by address
+  cuda.set_next_segment_address(0x40000000);
+  EXPECT_EQ(cuda.malloc(30 << 20), 0x40000000u);       // a new cudaMalloc at the given address
+  EXPECT_EQ(cuda.stats().num_device_allocs, 1);
+  EXPECT_THROW(cuda.add_segment(0x80000000, 2 << 20, false, 0, {{0x80000000, 1 << 20, 0, false}}), c10::Error);
+}

@@ -140,6 +140,16 @@ class CudaCachingAllocatorModel {
   /// Frees the block at `address`. Throws c10::Error naming an address that
   /// is not allocated.
   void free(uint64_t address);
+  /// Gives the next cudaMalloc (not an expandable page map) the segment
+  /// address `address`, as recorded in a snapshot's segment_alloc; later ones
+  /// get made-up addresses again. Must not overlap another segment.
+  void set_next_segment_address(uint64_t address);
+  /// Adds a segment of `total_bytes` at `address` that existed before the
+  /// model started (snapshot.h's replay), tiled by `blocks` (allocated ones
+  /// can be freed by address). Counts in reserved and allocated, not as a
+  /// cudaMalloc. Throws c10::Error when the blocks do not tile it.
+  void add_segment(uint64_t address, int64_t total_bytes, bool large_pool, int64_t stream,
+                   const std::vector<CudaBlockInfo>& blocks);
   /// Returns every cached segment with no allocated block to the device
   /// (`torch.cuda.empty_cache()`); expandable segments unmap their free pages.
   void empty_cache();

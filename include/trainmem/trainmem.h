@@ -18,6 +18,7 @@
 #include "trainmem/planner.h"
 #include "trainmem/report.h"
 #include "trainmem/selective.h"
+#include "trainmem/snapshot.h"
 #include "trainmem/timeline.h"
 #include "trainmem/trainer.h"
 #include "trainmem/transformer.h"

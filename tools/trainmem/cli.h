@@ -132,4 +132,7 @@ void add_report_command(CLI::App& app);
 /// Registers `trainmem plan` (tools/trainmem/plan.cpp).
 void add_plan_command(CLI::App& app);
 
+/// `trainmem snapshot FILE`: replay a recorded CUDA memory snapshot (snapshot.cpp).
+void add_snapshot_command(CLI::App& app);
+
 } // namespace trainmem::cli

@@ -2,7 +2,7 @@
 //
 // Subcommands: audit (run and measure the bundled trainer), estimate
 // (predict without running), report (re-render a saved report), plan (choose
-// checkpointing for a budget). Data goes to stdout, diagnostics to stderr.
+// checkpointing for a budget), snapshot (replay a GPU memory snapshot). Data goes to stdout, diagnostics to stderr.
 // Exit codes: 0 ok, 1 runtime error, 2 usage error, 3 a check failed.
 
 #include <cstdio>
@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   trainmem::cli::add_estimate_command(app);
   trainmem::cli::add_report_command(app);
   trainmem::cli::add_plan_command(app);
+  trainmem::cli::add_snapshot_command(app);
   try {
     app.parse(argc, argv);  // subcommand callbacks run in here
   } catch (const CLI::Success& e) {

@@ -1,0 +1,166 @@
+#pragma once
+/// \file snapshot.h
+/// Reads the memory snapshots `torch.cuda.memory._dump_snapshot()` writes on
+/// a GPU (and those trainmem writes, memory_viz.h) and replays their trace
+/// through CudaCachingAllocatorModel, so the model is checked against what a
+/// real device did.
+///
+/// Example:
+/// ```
+/// auto snap = trainmem::read_snapshot("memory_ctx128_fullstep.pickle");
+/// auto r = trainmem::replay_snapshot(snap);
+/// r.recorded.peak_reserved_bytes;  // what the GPU reserved at most
+/// r.model.peak_reserved_bytes;     // what the model reserves for the same trace
+/// r.matches;                       // every cudaMalloc/cudaFree at the same event, same size
+/// ```
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trainmem/cuda_allocator_model.h"
+
+namespace trainmem {
+
+/// One frame of a recorded stack.
+struct SnapshotFrame {
+  std::string name;
+  std::string filename;
+  int64_t line = 0;
+};
+
+/// One event of `device_traces`: `action` is alloc, free_requested,
+/// free_completed, segment_alloc, segment_free, segment_map, segment_unmap,
+/// snapshot or oom.
+struct TraceEntry {
+  std::string action;
+  uint64_t addr = 0;
+  int64_t size_bytes = 0;  ///< requested bytes (alloc/free), segment bytes (segment_*)
+  int64_t stream = 0;
+  int64_t device = 0;
+  int64_t time_us = 0;
+  std::vector<SnapshotFrame> frames;  ///< the Python frames first, at most kSnapshotFrames
+};
+
+/// One block of a recorded segment.
+struct SnapshotBlock {
+  uint64_t address = 0;
+  int64_t size_bytes = 0;       ///< in bytes
+  int64_t requested_bytes = 0;  ///< in bytes
+  std::string state;            ///< active_allocated, active_pending_free, inactive
+  std::vector<SnapshotFrame> frames;
+};
+
+/// One segment of the final `segments`.
+struct SnapshotSegment {
+  uint64_t address = 0;
+  int64_t total_bytes = 0;      ///< in bytes
+  int64_t allocated_bytes = 0;  ///< in bytes
+  int64_t requested_bytes = 0;  ///< in bytes
+  int64_t stream = 0;
+  int64_t device = 0;
+  std::string segment_type;  ///< "large" or "small"
+  bool expandable = false;
+  std::vector<SnapshotBlock> blocks;
+};
+
+/// A whole snapshot file, as plain data.
+struct Snapshot {
+  std::vector<SnapshotSegment> segments;
+  std::vector<TraceEntry> traces;  ///< device 0's trace (the first non-empty one)
+  /// `allocator_settings["PYTORCH_CUDA_ALLOC_CONF"]` when recorded.
+  std::optional<std::string> alloc_conf;
+};
+
+/// How many frames each trace entry keeps.
+inline constexpr int kSnapshotFrames = 4;
+
+/// Parses snapshot pickle bytes (protocols 2 to 5, the plain-data subset:
+/// dicts, lists, tuples, strings, ints, floats, bools, None). Throws
+/// c10::Error naming the problem and its byte offset for a truncated,
+/// corrupted, too deeply nested or non-snapshot input; memory stays bounded
+/// by the input's size.
+Snapshot parse_snapshot(const std::string& bytes);
+
+/// Reads and parses the file at `path` (at most 4 GiB). Throws c10::Error
+/// naming the path.
+Snapshot read_snapshot(const std::string& path);
+
+/// Figures of one run, recorded or modelled. All in bytes.
+struct SnapshotFigures {
+  int64_t peak_reserved_bytes = 0;
+  int64_t peak_requested_bytes = 0;   ///< highest sum of live requested sizes
+  /// Highest sum of live blocks. Recorded: the requests rounded to 512 B (the
+  /// trace holds requested sizes, so a block's unsplit remainder is not
+  /// seen); model: the blocks it handed out, remainders included.
+  int64_t peak_allocated_bytes = 0;
+  int64_t num_segment_allocs = 0;     ///< cudaMalloc calls during the trace
+  int64_t num_segment_frees = 0;      ///< cudaFree calls during the trace
+  int64_t peak_event = -1;            ///< trace index where reserved first peaked (-1: before the trace)
+  int64_t allocated_at_peak_reserved_bytes = 0;  ///< allocated when reserved peaked
+};
+
+/// One allocation live at the peak.
+struct LiveAllocation {
+  int64_t requested_bytes = 0;
+  int64_t event = -1;  ///< trace index of its alloc (-1: allocated before recording)
+  std::vector<SnapshotFrame> frames;
+};
+
+/// A segment of the model, when reserved peaked, that holds both allocated
+/// and free blocks: its free bytes are reserved but cannot serve requests
+/// of other pools or larger sizes.
+struct StrandedSegment {
+  int64_t total_bytes = 0;      ///< in bytes
+  int64_t free_bytes = 0;       ///< free blocks inside it, in bytes
+  bool large_pool = false;
+  int64_t num_allocated_blocks = 0;
+  /// Frames of the largest allocation in it (the one that split it, most often).
+  std::vector<SnapshotFrame> frames;
+};
+
+/// What replay_snapshot() finds.
+struct SnapshotReplay {
+  int64_t num_events = 0;
+  int64_t num_preexisting_blocks = 0;     ///< live when recording began
+  int64_t preexisting_reserved_bytes = 0; ///< reserved when recording began
+  SnapshotFigures recorded;  ///< from the trace itself
+  SnapshotFigures model;     ///< CudaCachingAllocatorModel on the same requests
+  bool matches = false;      ///< every segment_alloc/free at the same event with the same size
+  std::optional<int64_t> first_mismatch;  ///< trace index of the first divergence
+  std::string mismatch;                   ///< what the recording did and what the model did
+  std::vector<LiveAllocation> top_live_at_peak;  ///< recorded, largest first (at most 10)
+  /// Model's reserved minus allocated when reserved peaked, in bytes: the
+  /// sum of free blocks in all its segments then.
+  int64_t model_free_at_peak_bytes = 0;
+  /// The part of model_free_at_peak_bytes in segments with no allocated block (cached whole), in bytes.
+  int64_t model_free_in_unused_segments_bytes = 0;
+  /// The model's partly used segments at its reserved peak, most free bytes first (at most 10).
+  std::vector<StrandedSegment> stranded_at_peak;
+};
+
+/// Replays `snap`'s trace. The segments that existed when recording began
+/// (in the final `segments` without a segment_alloc in the trace) are added
+/// to a CudaCachingAllocatorModel with `config` at their recorded addresses
+/// (CudaCachingAllocatorModel::add_segment), holding the blocks live then:
+/// live at the end and not allocated in the trace, or freed in the trace
+/// without an alloc there. Each recorded segment_alloc gives the next
+/// cudaMalloc its address. Then every alloc and free_completed goes to the
+/// model, and its cudaMalloc/cudaFree calls and block addresses are compared
+/// event by event with the recording.
+SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& config = {});
+
+/// One row of what_if_snapshot().
+struct SnapshotWhatIf {
+  std::string alloc_conf;
+  int64_t peak_reserved_bytes = 0;
+  int64_t allocated_at_peak_reserved_bytes = 0;
+  int64_t num_segment_allocs = 0;
+};
+
+/// Replays the same requests from an empty allocator under each
+/// `PYTORCH_CUDA_ALLOC_CONF` string (CudaAllocatorConfig::parse).
+std::vector<SnapshotWhatIf> what_if_snapshot(const Snapshot& snap, const std::vector<std::string>& confs);
+
+} // namespace trainmem

@@ -1,0 +1,161 @@
+// trainmem snapshot: read a memory snapshot recorded on a GPU, check the
+// allocator model against it, and replay it under other allocator settings.
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "trainmem/report.h"
+#include "trainmem/snapshot.h"
+
+namespace trainmem::cli {
+namespace {
+
+nlohmann::json figures_json(const SnapshotFigures& f) {
+  return {{"peak_reserved_bytes", f.peak_reserved_bytes},
+          {"peak_requested_bytes", f.peak_requested_bytes},
+          {"peak_allocated_bytes", f.peak_allocated_bytes},
+          {"num_segment_allocs", f.num_segment_allocs},
+          {"num_segment_frees", f.num_segment_frees},
+          {"peak_event", f.peak_event},
+          {"allocated_at_peak_reserved_bytes", f.allocated_at_peak_reserved_bytes}};
+}
+
+std::string where(const std::vector<SnapshotFrame>& frames) {
+  for (const auto& fr : frames) {
+    if (fr.line > 0) return fr.filename + ":" + std::to_string(fr.line) + " " + fr.name;
+  }
+  return frames.empty() ? std::string("(before recording)") : frames.front().name;
+}
+
+void print_text(const std::string& file, const Snapshot& snap, const SnapshotReplay& r,
+                const std::vector<SnapshotWhatIf>& w) {
+  std::cout << "snapshot " << file << ": " << with_commas(r.num_events) << " events, " << snap.segments.size()
+            << " segments at the end, " << with_commas(r.num_preexisting_blocks) << " blocks live before recording ("
+            << with_commas(r.preexisting_reserved_bytes) << " B reserved)\n";
+  std::cout << "                          recorded          model\n";
+  auto row = [](const char* name, int64_t a, int64_t b) {
+    std::cout << "  " << name << std::string(24 - std::string(name).size(), ' ') << with_commas(a) << "  "
+              << with_commas(b) << "\n";
+  };
+  row("peak reserved B", r.recorded.peak_reserved_bytes, r.model.peak_reserved_bytes);
+  row("peak requested B", r.recorded.peak_requested_bytes, r.model.peak_requested_bytes);
+  row("peak allocated B", r.recorded.peak_allocated_bytes, r.model.peak_allocated_bytes);
+  row("cudaMalloc calls", r.recorded.num_segment_allocs, r.model.num_segment_allocs);
+  row("cudaFree calls", r.recorded.num_segment_frees, r.model.num_segment_frees);
+  row("peak reserved at event", r.recorded.peak_event, r.model.peak_event);
+  std::cout << "replay: " << (r.matches ? "matches" : "diverges") << (r.matches ? "" : ": " + r.mismatch) << "\n";
+  std::cout << "largest allocations live at the requested peak:\n";
+  for (const auto& a : r.top_live_at_peak) {
+    std::cout << "  " << with_commas(a.requested_bytes) << " B  " << where(a.frames) << "\n";
+  }
+  std::cout << "model at its reserved peak: " << with_commas(r.model_free_at_peak_bytes)
+            << " B free inside segments, " << with_commas(r.model_free_in_unused_segments_bytes)
+            << " B of it in segments with nothing allocated; partly used segments with the most free bytes:\n";
+  for (const auto& st : r.stranded_at_peak) {
+    std::cout << "  " << with_commas(st.free_bytes) << " B free of " << with_commas(st.total_bytes) << " B ("
+              << (st.large_pool ? "large" : "small") << ", " << st.num_allocated_blocks << " allocated; largest from "
+              << where(st.frames) << ")\n";
+  }
+  if (!w.empty()) {
+    std::cout << "what if (replayed from an empty allocator):\n";
+    size_t best = 0;
+    for (size_t k = 0; k < w.size(); ++k) {
+      if (w[k].peak_reserved_bytes < w[best].peak_reserved_bytes) best = k;
+    }
+    for (size_t k = 0; k < w.size(); ++k) {
+      std::cout << "  " << (w[k].alloc_conf.empty() ? std::string("(defaults)") : w[k].alloc_conf)
+                << ": peak reserved " << with_commas(w[k].peak_reserved_bytes) << " B, reserved-allocated "
+                << with_commas(w[k].peak_reserved_bytes - w[k].allocated_at_peak_reserved_bytes) << " B, "
+                << with_commas(w[k].num_segment_allocs) << " cudaMalloc" << (k == best ? "  <- lowest" : "")
+                << "\n";
+    }
+  }
+}
+
+} // namespace
+
+void add_snapshot_command(CLI::App& app) {
+  struct Flags {
+    std::string input, diff;
+    std::vector<std::string> confs;
+    bool json = false;
+  };
+  auto f = std::make_shared<Flags>();
+  auto* sub = app.add_subcommand(
+      "snapshot", "check the CUDA allocator model against a memory snapshot recorded on a GPU (_dump_snapshot)");
+  sub->add_option("FILE", f->input, "a pickle written by torch.cuda.memory._dump_snapshot")->required();
+  sub->add_option("--alloc-conf", f->confs, "replay under this PYTORCH_CUDA_ALLOC_CONF too (repeatable)");
+  sub->add_option("--diff", f->diff, "compare with another snapshot");
+  sub->add_flag("--json", f->json, "print one JSON document");
+  sub->callback([f] {
+    auto load = [](const std::string& path) {
+      try {
+        return read_snapshot(path);
+      } catch (const c10::Error& e) {
+        throw UsageError(e.what_without_backtrace());
+      }
+    };
+    const Snapshot snap = load(f->input);
+    std::vector<std::string> confs{""};
+    for (const auto& c : f->confs) {
+      try {
+        CudaAllocatorConfig::parse(c);
+      } catch (const c10::Error& e) {
+        throw UsageError("--alloc-conf " + c + ": " + e.what_without_backtrace());
+      }
+      confs.push_back(c);
+    }
+    if (f->confs.empty()) {
+      confs = {"", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"};
+    }
+    const auto r = replay_snapshot(snap);
+    const auto w = what_if_snapshot(snap, confs);
+    std::optional<SnapshotReplay> other;
+    if (!f->diff.empty()) other = replay_snapshot(load(f->diff));
+    if (f->json) {
+      nlohmann::json j;
+      j["kind"] = "snapshot";
+      j["file"] = f->input;
+      j["num_events"] = r.num_events;
+      j["replay"] = {{"matches", r.matches},
+                     {"first_mismatch", r.first_mismatch ? nlohmann::json(*r.first_mismatch) : nlohmann::json()},
+                     {"mismatch", r.mismatch},
+                     {"recorded", figures_json(r.recorded)},
+                     {"model", figures_json(r.model)},
+                     {"model_free_at_peak_bytes", r.model_free_at_peak_bytes},
+                     {"model_free_in_unused_segments_bytes", r.model_free_in_unused_segments_bytes}};
+      j["what_if"] = nlohmann::json::array();
+      for (const auto& x : w) {
+        j["what_if"].push_back({{"alloc_conf", x.alloc_conf},
+                                {"peak_reserved_bytes", x.peak_reserved_bytes},
+                                {"allocated_at_peak_reserved_bytes", x.allocated_at_peak_reserved_bytes},
+                                {"num_segment_allocs", x.num_segment_allocs}});
+      }
+      if (other) {
+        j["diff"] = {{"file", f->diff},
+                     {"peak_reserved_bytes", other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes},
+                     {"peak_requested_bytes", other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes},
+                     {"num_segment_allocs", other->recorded.num_segment_allocs - r.recorded.num_segment_allocs}};
+      }
+      std::cout << j.dump(2) << "\n";
+      return;
+    }
+    print_text(f->input, snap, r, w);
+    if (other) {
+      std::cout << "diff " << f->diff << " - " << f->input << ": peak reserved "
+                << with_commas(other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes)
+                << " B, peak requested "
+                << with_commas(other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes)
+                << " B, cudaMalloc calls "
+                << (other->recorded.num_segment_allocs - r.recorded.num_segment_allocs) << "\n";
+    }
+  });
+}
+
+} // namespace trainmem::cli
