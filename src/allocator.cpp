@@ -1,5 +1,6 @@
 #include "trainmem/allocator.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -62,8 +63,18 @@ struct RecorderSlot {
   int64_t dropped = 0;
   std::vector<CpuMemoryEvent> events;
   int64_t live = 0;
-  int64_t window_peak = 0;
+  int64_t window_peak = 0;  // of live + baseline
+  // Note [A recorder's baseline]: bytes live when begin_baseline() ran that
+  // are not this recorder's blocks, less those freed or adopted since.
+  std::atomic<bool> baseline_on{false};
+  int64_t baseline = 0;
+  int64_t baseline_ns = 0;
+  std::vector<uint64_t> baseline_excluded;  // recorders live when the baseline began: their blocks are theirs
+  std::vector<CpuMemoryEvent> baseline_frees;
 };
+
+// Recorders with a baseline: while none has one, a free costs no slot walk.
+std::atomic<int> g_num_baselines{0};
 
 RecorderSlot* recorder_slots() {
   static auto* slots = new RecorderSlot[kMaxRecorders];  // never destroyed
@@ -92,7 +103,7 @@ void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr) 
       return;
     }
     r.live += bytes;
-    r.window_peak = std::max(r.window_peak, r.live);
+    r.window_peak = std::max(r.window_peak, r.live + r.baseline);
     if (!r.logging) {
       return;
     }
@@ -103,6 +114,33 @@ void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr) 
     r.events.push_back({time_ns, bytes, r.live, reinterpret_cast<uint64_t>(ptr)});
   } catch (...) {
     // losing an event is acceptable; failing an allocation is not
+  }
+}
+
+// A free of a block made before some recorder's baseline began and not that
+// recorder's own: its baseline shrinks (Note [A recorder's baseline]).
+// Never throws (free path).
+void to_baselines(uint64_t tag, int64_t bytes, int64_t alloc_ns, int64_t time_ns, const void* ptr) noexcept {
+  auto* slots = recorder_slots();
+  for (int i = 0; i < kMaxRecorders; ++i) {
+    auto& r = slots[i];
+    if (!r.baseline_on.load(std::memory_order_relaxed)) {
+      continue;
+    }
+    try {
+      std::lock_guard<std::mutex> lock(r.mutex);
+      const uint64_t own = r.tag.load(std::memory_order_relaxed);
+      if (!r.baseline_on.load(std::memory_order_relaxed) || own == 0 || own == tag || alloc_ns >= r.baseline_ns ||
+          std::find(r.baseline_excluded.begin(), r.baseline_excluded.end(), tag) != r.baseline_excluded.end()) {
+        continue;
+      }
+      r.baseline -= bytes;
+      if (r.logging && static_cast<int64_t>(r.baseline_frees.size()) < std::max<int64_t>(r.max_events, 1)) {
+        r.baseline_frees.push_back({time_ns, -bytes, r.live + r.baseline, reinterpret_cast<uint64_t>(ptr)});
+      }
+    } catch (...) {
+      // losing an event is acceptable; failing a free is not
+    }
   }
 }
 
@@ -174,6 +212,11 @@ void counting_delete(void* data) {
   const uint64_t tag = std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(block + kTagOffset)).load();
   if (tag != 0) {
     to_recorder(tag, -size, now_since(c), data);
+  }
+  if (g_num_baselines.load(std::memory_order_relaxed) > 0) {
+    int64_t alloc_ns = 0;
+    std::memcpy(&alloc_ns, block + kTimeOffset, sizeof(alloc_ns));
+    to_baselines(tag, size, alloc_ns, now_since(c), data);
   }
   base_allocator->raw_deallocate(block);
 }
@@ -328,6 +371,11 @@ AllocRecorder::AllocRecorder(int64_t max_events) : slot_(-1), tag_(0) {
       slots[i].events.clear();
       slots[i].live = 0;
       slots[i].window_peak = 0;
+      slots[i].baseline_on.store(false);
+      slots[i].baseline = 0;
+      slots[i].baseline_ns = 0;
+      slots[i].baseline_frees.clear();
+      slots[i].baseline_excluded.clear();
       slots[i].tag.store(tag_);
       break;
     }
@@ -341,7 +389,11 @@ AllocRecorder::~AllocRecorder() {
   try {
     std::lock_guard<std::mutex> lock(r.mutex);
     r.tag.store(0);
+    if (r.baseline_on.exchange(false)) {
+      g_num_baselines.fetch_sub(1);
+    }
     std::vector<CpuMemoryEvent>().swap(r.events);
+    std::vector<CpuMemoryEvent>().swap(r.baseline_frees);
   } catch (...) {
   }
   if (tls_recorder_tag == tag_) {
@@ -390,13 +442,57 @@ int64_t AllocRecorder::live_bytes() const {
 void AllocRecorder::open_window() {
   auto& r = recorder_slots()[slot_];
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.window_peak = r.live;
+  r.window_peak = r.live + r.baseline;
 }
 
 int64_t AllocRecorder::window_peak() const {
   auto& r = recorder_slots()[slot_];
   std::lock_guard<std::mutex> lock(r.mutex);
-  return std::max(r.window_peak, r.live);
+  return std::max(r.window_peak, r.live + r.baseline);
+}
+
+int64_t AllocRecorder::begin_baseline() {
+  // The other recorders live now own their blocks (another audit's, on
+  // another thread): not this one's baseline. Gathered before taking this
+  // slot's lock, never holding two.
+  auto* slots = recorder_slots();
+  std::vector<uint64_t> excluded;
+  int64_t theirs = 0;
+  for (int i = 0; i < kMaxRecorders; ++i) {
+    if (i == slot_) {
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(slots[i].mutex);
+    if (const uint64_t t = slots[i].tag.load(); t != 0) {
+      excluded.push_back(t);
+      theirs += slots[i].live;
+    }
+  }
+  auto& r = slots[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto& c = counters();
+  r.baseline_ns = now_since(c);
+  r.baseline = c.allocated.load() - r.live - theirs;
+  r.baseline_excluded = std::move(excluded);
+  r.window_peak = std::max(r.window_peak, r.live + r.baseline);
+  if (!r.baseline_on.exchange(true)) {
+    g_num_baselines.fetch_add(1);
+  }
+  return r.baseline_ns;
+}
+
+int64_t AllocRecorder::baseline_bytes() const {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.baseline;
+}
+
+std::vector<CpuMemoryEvent> AllocRecorder::take_baseline_frees() {
+  auto& r = recorder_slots()[slot_];
+  std::vector<CpuMemoryEvent> out;
+  std::lock_guard<std::mutex> lock(r.mutex);
+  out.swap(r.baseline_frees);
+  return out;
 }
 
 int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
@@ -434,7 +530,13 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
   // The storage is alive (we hold it), so its block cannot be freed meanwhile.
   tag.store(tag_);
   r.live += size;
-  r.window_peak = std::max(r.window_peak, r.live);
+  int64_t made_ns = 0;
+  std::memcpy(&made_ns, block + kTimeOffset, sizeof(made_ns));
+  if (r.baseline_on.load() && made_ns < r.baseline_ns &&
+      std::find(r.baseline_excluded.begin(), r.baseline_excluded.end(), owner) == r.baseline_excluded.end()) {
+    r.baseline -= size;  // it was counted in the baseline; now it is ours
+  }
+  r.window_peak = std::max(r.window_peak, r.live + r.baseline);
   return size;
 }
 

@@ -164,7 +164,6 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   Timeline timeline;
   bool recording_started = false;
   int64_t origin_ns = 0;      // tracker time of the audit's time zero
-  int64_t offset_bytes = 0;   // live bytes not owned by the recorder ("before the audit")
   std::unordered_map<uint64_t, Alloc> live;      // address -> open allocation
   std::unordered_map<uint64_t, Category> known;  // adopted pre-existing blocks
   std::vector<MemoryEvent> synthetic;            // adoption events of this step, by time
@@ -323,7 +322,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
 
   int64_t window_peak() const {
     if (recorder) {
-      return offset_bytes + recorder->window_peak();
+      return recorder->window_peak();  // its baseline ("before the audit") included
     }
     if (tracker != nullptr) {
       return window ? window->peak_bytes() : 0;
@@ -574,8 +573,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     }
     const auto address = reinterpret_cast<uint64_t>(storage.data_ptr().get());
     if (!recording_started || alloc_ns - origin_ns < 0) {
-      // Part of the baseline: its bytes change category there.
-      offset_bytes -= bytes;
+      // Part of the baseline (the recorder moved its bytes out of it): its
+      // bytes change category there.
       if (recording_started) {
         synthetic.push_back(MemoryEvent{at_ns, -bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
         synthetic.push_back(MemoryEvent{at_ns, bytes, 0, category, Phase::kForward, step_index});
@@ -595,15 +594,15 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   void add_label(const at::Tensor& tensor, std::string name, Category category, bool bucket, const char* who);
 
   void start_recording() {
-    origin_ns = tracker->now_ns();
     recording_started = true;
     recorder = std::make_unique<detail::AllocRecorder>(options.max_events());
     recorder->attach_this_thread();
     recorder->set_logging(true);
-    const int64_t live_now = tracker->stats().allocated_bytes;
-    // Adopt what we can name; the rest is "before the audit".
+    // Everything live now is the recorder's baseline (Note [A recorder's
+    // baseline]); adopt what we can name, the rest is "before the audit" and
+    // leaves it when freed.
+    origin_ns = recorder->begin_baseline();
     recording_started = false;  // adopt() into the baseline
-    offset_bytes = live_now;
     std::vector<std::pair<c10::Storage, Category>> named;
     std::vector<at::Tensor> state;
     for (const auto& opt : optimizers) {
@@ -633,7 +632,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       adopt(storage, category, 0);
     }
     recording_started = true;
-    timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] = offset_bytes;
+    timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] = recorder->baseline_bytes();
   }
 
   bool push_event(const MemoryEvent& e) {
@@ -702,6 +701,11 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
 
   void classify_step_events(std::vector<CpuMemoryEvent> raw) {
     timeline.num_dropped_events += recorder->take_num_dropped();
+    // Blocks of the baseline freed in this step leave "before the audit".
+    for (const auto& f : recorder->take_baseline_frees()) {
+      synthetic.push_back(
+          MemoryEvent{f.time_ns - origin_ns, f.bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
+    }
     // The recorder's events and this step's adoptions, in time order.
     std::vector<MemoryEvent> all;
     all.reserve(raw.size() + synthetic.size());
@@ -1251,6 +1255,13 @@ AuditReport Audit::report() const {
         "{} B were live before the audit began and are no parameter, gradient, optimizer state or labelled "
         "tensor (a data set held in memory? name it with Audit::label()); the plot can hide this baseline",
         with_commas(s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)])));
+  }
+  if (s.last_saved.unowned_leaf_bytes > 0) {
+    r.notes.push_back(fmt::format(
+        "{} B of the saved bytes are leaves that require grad and belong to no audited module: another "
+        "network's parameters (add it: Audit audit(device); audit.add_module(G); audit.add_module(D)) or an "
+        "optimized input; they are counted as saved activations",
+        with_commas(s.last_saved.unowned_leaf_bytes)));
   }
   for (const auto& n : s.notes) {
     r.notes.push_back(n);

@@ -128,6 +128,17 @@ struct MeterState {
       totals.num_storages += 1;
     }
     totals.saved_bytes += new_bytes;
+    if (new_bytes > 0 && t.requires_grad()) {
+      at::Tensor leaf;
+      if (t.is_leaf()) {
+        leaf = t;
+      } else if (t.is_view()) {
+        leaf = t._base();
+      }
+      if (leaf.defined() && leaf.is_leaf()) {
+        totals.unowned_leaf_bytes += new_bytes;
+      }
+    }
     const bool moved_to_host = kept.defined() && kept.has_storage() && kept.is_cpu() &&
         (!t.has_storage() || kept.storage().unsafeGetStorageImpl() != t.storage().unsafeGetStorageImpl());
     (moved_to_host ? totals.host_bytes : totals.device_bytes) += new_bytes;

@@ -235,3 +235,160 @@ TEST(AuditTest, ForwardOnlyStepHasOnePhase) {
 }
 
 } // namespace
+
+// Issue: step peaks counted bytes that were gone. The README's loop makes
+// each batch before audit.step(); a tensor made before the audit may be
+// freed between steps; a step may make the next step's batch; an RNN carries
+// its hidden state across steps. In each loop every step's reported peak
+// equals the allocator's own peak over the same step (one thread: the
+// recorder sees every block), and at no point does a category go negative
+// or "before the audit" outlive what it counts.
+namespace {
+
+struct LoopCheck {
+  std::vector<int64_t> allocator_peaks;  // PeakWindow over each step
+  trainmem::AuditReport report;
+};
+
+template <class Body>
+LoopCheck run_loop(trainmem::Audit& audit, int steps, Body&& body) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  LoopCheck c;
+  for (int i = 0; i < steps; ++i) {
+    body(i, [&](auto&& inside) {
+      trainmem::PeakWindow window(tracker);
+      {
+        auto audited = audit.step();
+        inside();
+      }
+      c.allocator_peaks.push_back(window.peak_bytes());
+    });
+  }
+  c.report = audit.report();
+  return c;
+}
+
+void expect_peaks_equal_allocator(const LoopCheck& c, const trainmem::Timeline& t) {
+  ASSERT_EQ(c.report.steps.size(), c.allocator_peaks.size());
+  for (size_t i = 0; i < c.allocator_peaks.size(); ++i) {
+    EXPECT_EQ(c.report.steps[i].peak_bytes, c.allocator_peaks[i]) << "step " << i;
+  }
+  for (const auto& p : trainmem::live_bytes(t)) {
+    for (auto b : p.bytes) {
+      ASSERT_GE(b, 0) << "a category went negative at " << p.time_ns;
+    }
+  }
+}
+
+} // namespace
+
+TEST(AuditTest, BatchMadeBeforeTheStepCountsOnce) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Linear lin(1024, 1024);
+  torch::optim::SGD opt(lin->parameters(), 0.01);
+  trainmem::Audit audit(*lin, &opt);
+  const auto c = run_loop(audit, 3, [&](int, auto&& step) {
+    auto x = torch::randn({256, 1024});  // the loader's batch, before the step
+    step([&] {
+      opt.zero_grad();
+      lin->forward(x).pow(2).mean().backward();
+      opt.step();
+    });
+  });
+  expect_peaks_equal_allocator(c, audit.timeline());
+  // Steps 1 and 2 are the same step as step 0 once gradients exist.
+  EXPECT_EQ(c.report.steps[1].peak_bytes, c.report.steps[2].peak_bytes);
+  EXPECT_LE(c.report.peak_bytes, *std::max_element(c.allocator_peaks.begin(), c.allocator_peaks.end()));
+  // The first batch was "before the audit"; freed, it no longer is.
+  const auto all = trainmem::live_bytes(audit.timeline());
+  EXPECT_EQ(at_cat(all.front(), Category::kBeforeAudit) - at_cat(all.back(), Category::kBeforeAudit),
+            256 * 1024 * 4);
+}
+
+TEST(AuditTest, PreAuditTensorFreedBetweenStepsLeavesThePeaks) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Linear lin(1024, 1024);
+  torch::optim::SGD opt(lin->parameters(), 0.01);
+  auto big = std::make_optional(torch::zeros({1024, 1024}));  // 4 MiB made before the audit
+  trainmem::Audit audit(*lin, &opt);
+  const auto c = run_loop(audit, 3, [&](int i, auto&& step) {
+    if (i == 1) {
+      big.reset();
+    }
+    auto x = torch::randn({256, 1024});
+    step([&] {
+      opt.zero_grad();
+      lin->forward(x).pow(2).mean().backward();
+      opt.step();
+    });
+  });
+  expect_peaks_equal_allocator(c, audit.timeline());
+  EXPECT_EQ(c.report.steps[0].peak_bytes - c.report.steps[2].peak_bytes, 4 * 1024 * 1024);
+  const auto all = trainmem::live_bytes(audit.timeline());
+  // The 4 MiB and the first batch left "before the audit" when freed.
+  EXPECT_EQ(at_cat(all.front(), Category::kBeforeAudit) - at_cat(all.back(), Category::kBeforeAudit),
+            4 * 1024 * 1024 + 256 * 1024 * 4);
+}
+
+TEST(AuditTest, PrefetchedBatchAndCarriedStateCountOnce) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Linear lin(512, 512);
+  torch::optim::SGD opt(lin->parameters(), 0.01);
+  trainmem::Audit audit(*lin, &opt);
+  auto next = torch::randn({64, 512});  // made before the audit, used in step 0
+  auto h = torch::zeros({64, 512});     // hidden state, carried across steps
+  const auto c = run_loop(audit, 4, [&](int, auto&& step) {
+    step([&] {
+      auto x = std::exchange(next, torch::randn({64, 512}));  // prefetch the next batch inside
+      opt.zero_grad();
+      auto y = torch::tanh(lin->forward(x) + h);
+      y.pow(2).mean().backward();
+      h = y.detach();  // truncated BPTT: the state lives on, its graph does not
+      opt.step();
+    });
+  });
+  expect_peaks_equal_allocator(c, audit.timeline());
+  EXPECT_EQ(c.report.steps[2].peak_bytes, c.report.steps[3].peak_bytes);
+}
+
+// Issue: a GAN audited with the README's one-module line counted G's weights
+// as D's saved activations, silently. G's second Linear saves its weight for
+// its input's gradient (128 x 128 x 4 B); G's first saves only z.
+TEST(AuditTest, WarnsAboutSavedLeavesOfUnauditedNetworks) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Sequential G(torch::nn::Linear(64, 128), torch::nn::ReLU(), torch::nn::Linear(128, 128));
+  torch::nn::Linear D(128, 1);
+  torch::optim::SGD d_opt(D->parameters(), 0.01);
+  auto gan_step = [&](trainmem::Audit& audit) {
+    auto audited = audit.step();
+    d_opt.zero_grad();
+    D->forward(G->forward(torch::randn({32, 64}))).mean().backward();
+    d_opt.step();
+  };
+  auto has_note = [](const trainmem::AuditReport& r) {
+    return std::any_of(r.notes.begin(), r.notes.end(),
+                       [](const std::string& n) { return n.find("65,536 B of the saved bytes are leaves") == 0; });
+  };
+  {
+    trainmem::Audit audit(*D, &d_opt);
+    gan_step(audit);
+    const auto r = audit.report();
+    EXPECT_TRUE(has_note(r));
+  }
+  {
+    trainmem::Audit audit;  // the two-network form
+    audit.add_module(*G);
+    audit.add_module(*D);
+    audit.add_optimizer(d_opt, "D");
+    gan_step(audit);
+    const auto r = audit.report();
+    EXPECT_FALSE(has_note(r));
+    for (const auto& n : r.notes) {
+      EXPECT_EQ(n.find("leaves that require grad"), std::string::npos) << n;
+    }
+  }
+}

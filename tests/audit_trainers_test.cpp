@@ -516,9 +516,12 @@ struct StepFigures {
   bool operator==(const StepFigures&) const = default;
 };
 
-std::vector<StepFigures> run_mlp_loop(int steps) {
-  auto mlp = seed_mlp();
-  torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+// The model and optimizer are the caller's, alive until both threads are
+// done: a thread's audit counts what was live when it began (the other
+// thread's model) as "before the audit" until it is freed (Note [A
+// recorder's baseline]), so a model freed while the other thread still
+// steps would lower that thread's later peaks.
+std::vector<StepFigures> run_mlp_loop(int steps, torch::nn::Sequential& mlp, torch::optim::SGD& opt) {
   trainmem::Audit audit(mlp, &opt);
   for (int i = 0; i < steps; ++i) {
     auto step = audit.step();
@@ -559,7 +562,13 @@ std::vector<StepFigures> run_mlp_loop(int steps) {
 TEST(AuditTrainersTest, TwoThreadsTwoHundredStepsEachAreExactEveryStep) {
   trainmem::CpuMemoryTracker::install();
   constexpr int kSteps = 200;
-  const auto solo = run_mlp_loop(3);
+  auto mlp = [] { return seed_mlp(); };
+  auto sgd = [](torch::nn::Sequential& m) {
+    return std::make_unique<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  };
+  auto solo_mlp = mlp();
+  auto solo_opt = sgd(solo_mlp);
+  const auto solo = run_mlp_loop(3, solo_mlp, *solo_opt);
   ASSERT_EQ(solo[1], solo[2]);  // steady state from step 1 on
   EXPECT_EQ(solo[1].saved, kMlpSavedBytes);
   EXPECT_EQ(solo[1].phases, (std::vector<std::string>{"forward", "backward", "optimizer step (SGD)"}));
@@ -567,8 +576,10 @@ TEST(AuditTrainersTest, TwoThreadsTwoHundredStepsEachAreExactEveryStep) {
   EXPECT_EQ(solo[1].state, kMlpParamBytes);
   EXPECT_EQ(solo[1].activation, 0);
   std::vector<StepFigures> a, b;
-  std::thread ta([&] { a = run_mlp_loop(kSteps); });
-  std::thread tb([&] { b = run_mlp_loop(kSteps); });
+  auto mlp_a = mlp(), mlp_b = mlp();
+  auto opt_a = sgd(mlp_a), opt_b = sgd(mlp_b);
+  std::thread ta([&] { a = run_mlp_loop(kSteps, mlp_a, *opt_a); });
+  std::thread tb([&] { b = run_mlp_loop(kSteps, mlp_b, *opt_b); });
   ta.join();
   tb.join();
   for (int i = 0; i < kSteps; ++i) {

@@ -60,6 +60,12 @@ struct SavedTensorReport {
   int64_t excluded_param_bytes = 0;
   /// Saved tensors excluded because their storage is a parameter's.
   int64_t num_param_tensors = 0;
+  /// Of saved_bytes, leaves that require grad (or views of one) whose
+  /// storage is no excluded parameter's: another network's parameters (a
+  /// GAN audited with one module), an optimized input (style transfer's
+  /// image). They count as saved, as autograd keeps them, but rarely are
+  /// what the caller means by activations; Audit warns about them.
+  int64_t unowned_leaf_bytes = 0;
   /// Bytes by saving node, largest first; sums to saved_bytes.
   std::vector<NodeSavedBytes> by_node;
 };

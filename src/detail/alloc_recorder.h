@@ -45,10 +45,23 @@ class AllocRecorder {
 
   // Bytes of live blocks that belong to this recorder.
   int64_t live_bytes() const;
-  // Starts the peak window at the live bytes now; window_peak() is the
-  // highest live bytes since.
+  // Starts the peak window at the live bytes (and baseline) now;
+  // window_peak() is the highest live bytes plus baseline since.
   void open_window();
   int64_t window_peak() const;
+
+  // Note [A recorder's baseline]
+  // Starts counting the bytes live now that are neither this recorder's nor
+  // another live recorder's (the process's, made before; a data set, the
+  // first batch) as its baseline, and returns the time it began (tracker clock). The baseline
+  // shrinks when such a block is freed, from any thread, or adopted; it
+  // never grows. Peak windows count live bytes plus baseline, so a block
+  // made before and freed since is no longer in a peak.
+  int64_t begin_baseline();
+  int64_t baseline_bytes() const;
+  // The baseline's frees since the last call, oldest first (logged while
+  // logging is on; capped at max_events).
+  std::vector<CpuMemoryEvent> take_baseline_frees();
 
   // Makes the block under `storage` this recorder's (if the counting
   // allocator made it and it is not already its). Its bytes join the live
