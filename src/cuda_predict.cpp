@@ -22,7 +22,7 @@
 #include "detail/optimizer_state.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
-#include "trainmem/report.h"
+#include "trainmem/format.h"
 #include "trainmem/transformer.h"
 
 namespace trainmem {
@@ -338,6 +338,7 @@ CudaStepPrediction predict_cuda_step_peak(
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(cuda_prediction_mutex());
   detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
+  detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
 
   // Reset gradients first, so the trace owns every gradient the steps make.
   for (auto& p : module.parameters()) {

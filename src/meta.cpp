@@ -672,10 +672,54 @@ std::string op_without_meta_kernel(const std::string& m) {
 
 } // namespace
 
+namespace {
+
+// Note [Predictions leave no trace], for a probe given no module: the
+// leaves that require grad (parameters, optimized inputs) met by the ops the
+// probe runs keep the gradient they had before it (its backward would leave
+// meta gradients on them).
+struct LeafGradKeeper : detail::InterceptHandler {
+  std::unordered_map<const c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> leaves;
+  void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+              torch::jit::Stack* stack) override {
+    const auto n = op.schema().arguments().size();
+    for (size_t i = stack->size() - std::min(n, stack->size()); i < stack->size(); ++i) {
+      const auto& v = (*stack)[i];
+      if (v.isTensor()) {
+        keep(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList().vec()) {
+          keep(t);
+        }
+      }
+    }
+    scope.call_next(op, ks, stack);
+  }
+  void keep(const at::Tensor& t) {
+    if (t.defined() && t.requires_grad() && t.is_leaf() && !leaves.count(t.unsafeGetTensorImpl())) {
+      leaves.emplace(t.unsafeGetTensorImpl(), std::make_pair(t, t.grad()));
+    }
+  }
+  void restore() {
+    for (auto& [impl, tg] : leaves) {
+      tg.first.mutable_grad() = tg.second;
+    }
+  }
+};
+
+} // namespace
+
 std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<void()>& run) {
   TORCH_CHECK(static_cast<bool>(run), "find_missing_meta_kernel: the function is empty");
   register_missing_meta_kernels();
+  detail::register_intercept_fallback();
+  LeafGradKeeper keeper;
+  struct Restore {
+    LeafGradKeeper& k;
+    ~Restore() { k.restore(); }
+  } restore{keeper};
   try {
+    detail::InterceptScope scope(keeper);
     run();
   } catch (const c10::Error& e) {
     MissingMetaKernel missing{"", e.what_without_backtrace()};
@@ -761,6 +805,12 @@ void to_empty(torch::nn::Module& module, c10::Device device) {
   };
   for (const auto& p : module.parameters(/*recurse=*/true)) {
     give_storage(p);
+    // A meta gradient (a meta step's) holds no values and would meet the
+    // real parameter in the next step: "found at least two devices, meta
+    // and cpu". The parameter starts with none, as a new one does.
+    if (p.grad().defined() && p.grad().is_meta()) {
+      p.mutable_grad().reset();
+    }
   }
   for (const auto& b : module.buffers(/*recurse=*/true)) {
     give_storage(b);

@@ -47,7 +47,7 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
-#include "trainmem/report.h"
+#include "trainmem/format.h"
 #include "detail/checkpoint_state.h"
 #include "detail/intercept.h"
 #include "detail/optimizer_state.h"
@@ -534,6 +534,7 @@ StepPeak predict_step_peak(
   check_on_meta(module, "predict_step_peak");
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
+  detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
   auto& counter = MetaCounter::get();
   // What a CPU run allocates besides the meta kernels' outputs: the CPU
   // matmuls' operand copies (Note [CPU matmul operand copies on meta]) and
@@ -2165,7 +2166,19 @@ std::string to_string(const CheckpointPlan& p) {
   os << fmt::format("checkpoint plan '{}' for a budget of {} B: {}\n", p.name,
                     p.budget_bytes > 0 ? with_commas(p.budget_bytes) : std::string("(none)"),
                     p.feasible ? "fits" : "NO PLAN FITS");
-  os << fmt::format("  {:<6}{:<14}{:>16}{:>18}{:>16}  {}\n", "block", "mode", "stored B",
+  // Each row: its index and the name the caller gave its region. Left out:
+  // "block" (the reference model's), the index itself, and a C++ type name
+  // (a module holder's default, "torch::nn::LinearImpl": no name was given).
+  std::vector<std::string> labels;
+  size_t width = 6;
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    const std::string name = i < p.region_names.size() ? p.region_names[i] : std::string();
+    const bool given = !name.empty() && name != "block" && name != std::to_string(i) &&
+        name.find("::") == std::string::npos;
+    labels.push_back(given ? fmt::format("{} {}", i, name) : std::to_string(i));
+    width = std::max(width, labels.back().size() + 2);
+  }
+  os << fmt::format("  {:<{}}{:<14}{:>16}{:>18}{:>16}  {}\n", "block", width, "mode", "stored B",
                     "bwd transient B", "recompute", "saved ops");
   for (size_t i = 0; i < p.blocks.size(); ++i) {
     const auto& b = p.blocks[i];
@@ -2176,7 +2189,7 @@ std::string to_string(const CheckpointPlan& p) {
     const std::string mode = b.region_blocks == 0 ? "  (region)"
         : b.region_blocks > 1 ? to_string(b.mode) + " x" + std::to_string(b.region_blocks)
                               : to_string(b.mode);
-    os << fmt::format("  {:<6}{:<14}{:>16}{:>18}{:>16.4g}  {}\n", i, mode,
+    os << fmt::format("  {:<{}}{:<14}{:>16}{:>18}{:>16.4g}  {}\n", labels[i], width, mode,
                       with_commas(b.stored_bytes), with_commas(b.backward_transient_bytes), b.recompute_cost,
                       ops);
   }

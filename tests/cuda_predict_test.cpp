@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 
 #include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
@@ -116,3 +119,65 @@ TEST(CudaPredictTest, RejectsParametersOffMeta) {
 }
 
 } // namespace
+
+namespace {
+
+// Issue: a prediction left meta behind (Adam's exp_avg on meta, meta .grad
+// from a probe's backward kept by materialize()), and the next real step
+// failed with "found at least two devices, meta and cpu". Each API leaves
+// the module and the optimizer as it found them; a real step follows.
+torch::nn::Sequential meta_mlp() {
+  trainmem::MetaInitGuard meta;
+  return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 4));
+}
+
+void expect_untouched(torch::nn::Sequential& net, torch::optim::Optimizer& opt, const char* after) {
+  EXPECT_TRUE(opt.state().empty()) << "optimizer state left by " << after;
+  for (const auto& p : net->parameters()) {
+    EXPECT_FALSE(p.grad().defined()) << "a gradient left by " << after;
+  }
+}
+
+void expect_real_step_runs(torch::nn::Sequential& net, torch::optim::Adam& opt) {
+  trainmem::materialize(*net, at::kCPU);
+  for (const auto& p : net->parameters()) {
+    EXPECT_FALSE(p.grad().defined());
+  }
+  for (int i = 0; i < 2; ++i) {
+    opt.zero_grad();
+    net->forward(at::randn({8, 16})).pow(2).mean().backward();
+    opt.step();
+  }
+  ASSERT_EQ(opt.state().size(), 4u);
+  for (const auto& [key, state] : opt.state()) {
+    const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
+    EXPECT_TRUE(s.exp_avg().is_cpu());
+    EXPECT_EQ(s.step(), 2);
+  }
+}
+
+} // namespace
+
+TEST(CudaPredictTest, PredictionsLeaveModuleAndOptimizerAsFound) {
+  auto net = meta_mlp();
+  torch::optim::Adam opt(net->parameters(), 1e-3);
+  auto loss = [&] { return net->forward(at::empty({8, 16}, at::kMeta)).pow(2).mean(); };
+  const auto p = trainmem::predict_step_peak(*net, loss, &opt);
+  EXPECT_EQ(p.optimizer_state_bytes, 2 * 4 * (16 * 32 + 32 + 32 * 4 + 4));  // measured with state
+  expect_untouched(net, opt, "predict_step_peak");
+  trainmem::predict_cuda_step_peak(*net, loss, &opt);
+  expect_untouched(net, opt, "predict_cuda_step_peak");
+  EXPECT_FALSE(trainmem::find_missing_meta_kernel([&] { loss().backward(); }));
+  expect_untouched(net, opt, "find_missing_meta_kernel");
+  expect_real_step_runs(net, opt);
+}
+
+TEST(CudaPredictTest, MaterializeDropsMetaGradients) {
+  auto net = meta_mlp();
+  torch::optim::Adam opt(net->parameters(), 1e-3);
+  net->forward(at::empty({8, 16}, at::kMeta)).sum().backward();  // the user's own meta backward
+  for (const auto& p : net->parameters()) {
+    ASSERT_TRUE(p.grad().defined() && p.grad().is_meta());
+  }
+  expect_real_step_runs(net, opt);
+}
