@@ -20,7 +20,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include "trainmem/report.h"
+#include "trainmem/format.h"
 
 #include "detail/storage_set.h"
 

@@ -42,6 +42,7 @@ struct Block {
   bool expandable = false;
   Block* prev = nullptr;
   Block* next = nullptr;
+  int64_t gc_count_base = 0;  // its pool's get_free_blocks_call_count when it became free
   bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 
@@ -61,6 +62,13 @@ struct Pool {
   bool small;
   std::set<Block*, BySize> blocks;       // free, mapped
   std::set<Block*, ByAddress> unmapped;  // expandable address space without pages
+  int64_t get_free_blocks_call_count = 0;  // counted while garbage collection is on
+  // BlockPool::insert_into_blocks(): a free block's age starts now.
+  void insert(Block* b) {
+    b->gc_count_base = get_free_blocks_call_count;
+    blocks.insert(b);
+  }
+  int64_t gc_count(const Block* b) const { return get_free_blocks_call_count - b->gc_count_base; }
 };
 
 int64_t round_up(int64_t n, int64_t to) {
@@ -199,7 +207,21 @@ CudaAllocatorConfig CudaAllocatorConfig::parse(const std::string& conf) {
         std::fill(d.begin(), d.end(), check_pow2(parse_int(key, value)));
       }
       c.roundup_power2_divisions(d);
-    } else if (key == "garbage_collection_threshold" || key == "release_lock_on_cudamalloc" ||
+    } else if (key == "garbage_collection_threshold") {
+      double v = 0;
+      try {
+        size_t used = 0;
+        v = std::stod(value, &used);
+        TORCH_CHECK(used == value.size(), "");
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "CudaAllocatorConfig: expected a number for garbage_collection_threshold, but got '",
+                    value, "'");
+      }
+      // AcceleratorAllocatorConfig::parseGarbageCollectionThreshold: 0 < v < 1.
+      TORCH_CHECK(v > 0.0 && v < 1.0,
+                  "CudaAllocatorConfig: expected garbage_collection_threshold in (0.0, 1.0), but got ", value);
+      c.garbage_collection_threshold(v);
+    } else if (key == "release_lock_on_cudamalloc" ||
                key == "pinned_use_cuda_host_register" || key == "pinned_num_register_threads" ||
                key == "pinned_use_background_threads" || key == "pinned_max_round_threshold" ||
                key == "pinned_max_cached_size" || key == "backend" || key == "per_process_memory_fraction" ||
@@ -264,7 +286,7 @@ struct CudaCachingAllocatorModel::Impl {
         add(s.allocated_bytes, s.peak_allocated_bytes, b->size);
         add(s.requested_bytes, s.peak_requested_bytes, b->requested);
       } else {
-        pool.blocks.insert(b);
+        pool.insert(b);
         if (blocks.size() > 1) add_inactive_split(b->size);
       }
     }
@@ -334,6 +356,9 @@ struct CudaCachingAllocatorModel::Impl {
 
   // get_free_block()
   Block* get_free_block(Pool& pool, int64_t size, int64_t stream) {
+    if (gc_on()) {
+      ++pool.get_free_blocks_call_count;  // block reuse intervals, for garbage_collect_cached_blocks()
+    }
     Block key;
     key.stream = stream;
     key.size = size;
@@ -405,6 +430,51 @@ struct CudaCachingAllocatorModel::Impl {
     s.num_segments -= 1;
     s.num_device_frees += 1;
     delete b;
+  }
+
+  // Garbage collection runs only with a memory fraction set
+  // (set_per_process_memory_fraction): here, a device size.
+  bool gc_on() const { return config.garbage_collection_threshold() > 0.0 && config.device_bytes() > 0; }
+
+  // garbage_collect_cached_blocks(): above threshold x the device's memory,
+  // cudaFree the large pool's whole free segments at least as old as their
+  // average age (get_free_block calls since each became free), repeatedly,
+  // until the reserved bytes above the threshold are reclaimed or nothing
+  // more can be.
+  void garbage_collect_cached_blocks() {
+    const auto threshold =
+        static_cast<int64_t>(config.garbage_collection_threshold() * static_cast<double>(config.device_bytes()));
+    if (s.reserved_bytes <= threshold) {
+      return;
+    }
+    const int64_t target = s.reserved_bytes - threshold;
+    int64_t reclaimed = 0;
+    int64_t total_age = 0;
+    int64_t freeable = 0;
+    for (const Block* b : large.blocks) {
+      if (!b->is_split()) {
+        total_age += large.gc_count(b);
+        ++freeable;
+      }
+    }
+    bool freed = true;
+    while (reclaimed < target && freed && freeable > 0) {
+      const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
+      freed = false;
+      std::vector<Block*> old;
+      for (Block* b : large.blocks) {
+        if (!b->is_split() && !b->expandable && static_cast<double>(large.gc_count(b)) >= age_threshold) {
+          old.push_back(b);
+        }
+      }
+      for (Block* b : old) {
+        freed = true;
+        reclaimed += b->size;
+        total_age -= large.gc_count(b);
+        --freeable;
+        release_block(b);
+      }
+    }
   }
 
   // release_available_cached_blocks(): oversize blocks only
@@ -534,7 +604,7 @@ struct CudaCachingAllocatorModel::Impl {
     }
     try_merge(to_map, to_map->prev, pool);
     try_merge(to_map, to_map->next, pool);
-    pool.blocks.insert(to_map);
+    pool.insert(to_map);
     add_reserved(mapped);
     s.num_device_allocs += 1;
     return true;
@@ -589,7 +659,7 @@ struct CudaCachingAllocatorModel::Impl {
             b->next->prev = mid;
           }
           b->next = mid;
-          p->blocks.insert(b);
+          p->insert(b);
         }
         if (mid->ptr + static_cast<uint64_t>(mid->size) > end) {
           auto* tail = new Block(*mid);
@@ -602,7 +672,7 @@ struct CudaCachingAllocatorModel::Impl {
             mid->next->prev = tail;
           }
           mid->next = tail;
-          p->blocks.insert(tail);
+          p->insert(tail);
         }
         mid->mapped = false;
         add_reserved(-mid->size);
@@ -689,7 +759,7 @@ struct CudaCachingAllocatorModel::Impl {
       remaining->prev = block;
       remaining->ptr += static_cast<uint64_t>(size);
       remaining->size -= size;
-      pool.blocks.insert(remaining);
+      pool.insert(remaining);
       if (already_split && !block->expandable) {
         add_inactive_split(-block->size);  // an inactive split block shrinks by `size`
       } else if (!block->expandable) {
@@ -716,6 +786,9 @@ struct CudaCachingAllocatorModel::Impl {
     Pool& pool = pool_for(size);
     const int64_t alloc_size = allocation_size(size);
     Block* b = get_free_block(pool, size, stream);
+    if (b == nullptr && gc_on()) {
+      garbage_collect_cached_blocks();
+    }
     if (b == nullptr) {
       b = alloc_block(pool, size, alloc_size, stream, false);
     }
@@ -752,7 +825,7 @@ struct CudaCachingAllocatorModel::Impl {
         inactive_change -= subsumed;
       }
     }
-    pool.blocks.insert(block);
+    pool.insert(block);
     if (block->is_split()) {
       inactive_change += block->size;
     }

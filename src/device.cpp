@@ -7,7 +7,7 @@
 #include <torch/cuda.h>
 
 #include "trainmem/allocator.h"
-#include "trainmem/report.h"
+#include "trainmem/format.h"
 
 #ifdef TRAINMEM_WITH_CUDA
 #include <torch/csrc/cuda/memory_snapshot.h>

@@ -11,10 +11,15 @@
 
 #include "trainmem/distributed.h"
 
+#include "detail/bounded_json.h"
 #include "detail/distributed_json.h"
 #include "detail/text.h"
 
 namespace trainmem {
+namespace detail {
+// A rank report is an audit report (32 deep at most) inside a rank object.
+constexpr int kMaxRankReportDepth = 40;
+} // namespace detail
 namespace {
 
 using Json = nlohmann::ordered_json;
@@ -77,12 +82,7 @@ std::string rank_report_to_json(const RankReport& rank) {
 }
 
 RankReport rank_report_from_json(const std::string& text) {
-  Json j;
-  try {
-    j = Json::parse(text);
-  } catch (const Json::parse_error& e) {
-    TORCH_CHECK(false, "rank report: not JSON: ", e.what());
-  }
+  Json j = parse_bounded_json(text, kMaxRankReportDepth, "rank report");
   return rank_from(j);
 }
 
@@ -213,12 +213,7 @@ std::string to_json(const DistributedReport& r, int indent) {
 }
 
 DistributedReport distributed_report_from_json(const std::string& text) {
-  Json j;
-  try {
-    j = Json::parse(text);
-  } catch (const Json::parse_error& e) {
-    TORCH_CHECK(false, "distributed_report_from_json: not JSON: ", e.what());
-  }
+  Json j = detail::parse_bounded_json(text, detail::kMaxRankReportDepth, "distributed_report_from_json");
   TORCH_CHECK(j.is_object(), "distributed_report_from_json: expected a JSON object, but got ", j.type_name());
   DistributedReport r;
   TORCH_CHECK(j.contains("schema") && j["schema"].is_string() && j["schema"].get<std::string>() == r.schema,

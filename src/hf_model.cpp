@@ -24,6 +24,8 @@
 #include "trainmem/checkpoint.h"
 #include "trainmem/planner.h"
 
+#include "detail/bounded_json.h"
+
 // Note [Models from config files]
 // A config.json is read for the shape only: the keys that change a parameter
 // or an activation. Required keys have no Hugging Face default that could
@@ -134,12 +136,9 @@ HfArchitecture architecture_of(const json& j, const std::string& source) {
 } // namespace
 
 HfConfig parse_hf_config(const std::string& json_text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    TORCH_CHECK(false, source, ": not valid JSON: ", e.what());
-  }
+  // A config.json is flat (rope_scaling and the like nest a level or two).
+  constexpr int kMaxConfigDepth = 16;
+  const json j = detail::parse_bounded_json(json_text, kMaxConfigDepth, source);
   TORCH_CHECK(j.is_object(), source, ": expected a JSON object, but got ", shown(j).substr(0, 40));
   const Reader r{j, source};
   HfConfig c;

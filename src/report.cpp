@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "detail/bounded_json.h"
+
 namespace trainmem {
 namespace {
 
@@ -93,27 +95,6 @@ CategoryBytes category_bytes_from(const Json& j) {
 }
 
 // Deepest nesting of arrays and objects in `text`, outside strings.
-int json_depth(const std::string& text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
 
 // Text from a report file may hold anything JSON allows; a terminal must
 // not receive its control characters (escape sequences). C0, DEL and the C1
@@ -142,35 +123,6 @@ std::string pct(int64_t part, int64_t whole) {
 }
 
 } // namespace
-
-std::string with_commas(int64_t value) {
-  // The magnitude as unsigned: -INT64_MIN does not fit in int64_t.
-  const uint64_t magnitude = value < 0 ? 0 - static_cast<uint64_t>(value) : static_cast<uint64_t>(value);
-  std::string digits = std::to_string(magnitude);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) {
-      out += ',';
-    }
-    out += digits[i];
-  }
-  return value < 0 ? "-" + out : out;
-}
-
-std::string human_bytes(int64_t bytes) {
-  const double b = static_cast<double>(bytes);
-  const double a = std::abs(b);
-  if (a >= 1024.0 * 1024 * 1024) {
-    return fmt::format("{:.1f} GiB", b / (1024.0 * 1024 * 1024));
-  }
-  if (a >= 1024.0 * 1024) {
-    return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
-  }
-  if (a >= 1024.0) {
-    return fmt::format("{:.1f} KiB", b / 1024.0);
-  }
-  return fmt::format("{} B", bytes);
-}
 
 int64_t AuditReport::static_bytes() const {
   int64_t sum = 0;
@@ -380,15 +332,7 @@ std::string to_json(const AuditReport& r, int indent) {
 }
 
 AuditReport report_from_json(const std::string& text) {
-  const int depth = json_depth(text);
-  TORCH_CHECK(depth <= kMaxReportDepth, "report_from_json: expected JSON nested at most ", kMaxReportDepth,
-              " deep, but got ", depth);
-  Json j;
-  try {
-    j = Json::parse(text);
-  } catch (const Json::parse_error& e) {
-    TORCH_CHECK(false, "report_from_json: not JSON: ", e.what());
-  }
+  Json j = detail::parse_bounded_json(text, kMaxReportDepth, "report_from_json");
   TORCH_CHECK(j.is_object(), "report_from_json: expected a JSON object, but got ", j.type_name());
   TORCH_CHECK(j.contains("schema") && j["schema"].is_string(),
               "report_from_json: no \"schema\" key; is this a trainmem report?");

@@ -351,6 +351,8 @@ struct ModelRun {
   std::vector<StrandedSegment> stranded;
   int64_t first_address_mismatch = -1;  // seeded: first alloc the model placed elsewhere
   std::vector<std::pair<int64_t, int64_t>> device_calls;  // (event, +size alloc / -size free)
+  int64_t num_ooms = 0;  // requests the model could not serve (a device size set)
+  std::vector<int64_t> reserved_after;  // per event: reserved after an alloc or free (-1: other events)
 };
 
 // Seeds `m` with the segments that existed when recording began, at their
@@ -359,6 +361,8 @@ struct ModelRun {
 // free. A gap of 1 MiB or less after a large-pool block cannot have been
 // split off (the allocator splits only larger remainders), so it belongs to
 // that block. Returns the requests it could not place.
+constexpr int64_t kSmallSegmentBytes = 2 << 20;
+
 std::vector<Request> seed_segments(const Snapshot& snap, const std::vector<Request>& before,
                                    CudaCachingAllocatorModel& m, std::unordered_map<uint64_t, uint64_t>& addr) {
   std::unordered_set<uint64_t> created;
@@ -369,9 +373,29 @@ std::vector<Request> seed_segments(const Snapshot& snap, const std::vector<Reque
   for (const auto& sg : snap.segments) {
     for (const auto& b : sg.blocks) final_size[b.address] = b.size_bytes;
   }
-  std::vector<bool> placed(before.size(), false);
+  // The segments live when recording began: those at the end that the trace
+  // did not create, and those the trace frees without having created them
+  // (a cudaFree releases a wholly free segment: empty_cache(), or a retry).
+  std::vector<SnapshotSegment> segments;
   for (const auto& sg : snap.segments) {
-    if (created.count(sg.address) || sg.expandable) continue;
+    if (!created.count(sg.address)) segments.push_back(sg);
+  }
+  std::unordered_set<uint64_t> seen;  // addresses the trace has allocated or freed so far
+  for (const auto& e : snap.traces) {
+    if (e.action == "segment_alloc") {
+      seen.insert(e.addr);
+    } else if (e.action == "segment_free" && seen.insert(e.addr).second) {
+      SnapshotSegment sg;
+      sg.address = e.addr;
+      sg.total_bytes = e.size_bytes;
+      sg.stream = e.stream;
+      sg.segment_type = e.size_bytes == kSmallSegmentBytes ? "small" : "large";  // small segments are 2 MiB
+      segments.push_back(std::move(sg));
+    }
+  }
+  std::vector<bool> placed(before.size(), false);
+  for (const auto& sg : segments) {
+    if (sg.expandable) continue;
     const bool large = sg.segment_type != "small";
     const uint64_t end = sg.address + static_cast<uint64_t>(sg.total_bytes);
     std::vector<CudaBlockInfo> blocks;
@@ -437,8 +461,10 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
   auto s0 = m.stats();
   int64_t peak_reserved = s0.reserved_bytes;
   run.fig.allocated_at_peak_reserved_bytes = s0.allocated_bytes;
+  run.reserved_after.assign(snap.traces.size(), -1);
   auto track = [&](int64_t event, const CudaAllocatorStats& before_s) {
     const auto s = m.stats();
+    run.reserved_after[static_cast<size_t>(event)] = s.reserved_bytes;
     for (int64_t k = before_s.num_device_allocs; k < s.num_device_allocs; ++k) run.device_calls.push_back({event, 1});
     for (int64_t k = before_s.num_device_frees; k < s.num_device_frees; ++k) run.device_calls.push_back({event, -1});
     if (s.reserved_bytes > peak_reserved) {
@@ -455,7 +481,14 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
       m.set_next_segment_address(e.addr);
       continue;
     }
-    if (e.action == "alloc") {
+    if (e.action == "segment_free") {
+      // Note [cudaFree in a recording]: a run of segment_free events the
+      // model did not make itself is the program releasing the cache
+      // (torch.cuda.empty_cache(), or release_cached_blocks() before a
+      // retry): every wholly free segment goes, as in the model's empty_cache().
+      if (i > 0 && snap.traces[i - 1].action == "segment_free") continue;
+      m.empty_cache();
+    } else if (e.action == "alloc") {
       addr[e.addr] = m.malloc(e.size_bytes, e.stream);
       if (seeded) m.set_next_segment_address(0);
       if (seeded && addr[e.addr] != e.addr && run.first_address_mismatch < 0) {
@@ -478,6 +511,7 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
   run.fig.peak_allocated_bytes = s.peak_allocated_bytes;
   run.fig.num_segment_allocs = s.num_device_allocs - s0.num_device_allocs;
   run.fig.num_segment_frees = s.num_device_frees - s0.num_device_frees;
+  run.num_ooms = s.num_ooms - s0.num_ooms;
   // Where the free bytes sat when reserved peaked.
   for (const auto& seg : at_peak) {
     StrandedSegment st;
@@ -539,6 +573,7 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
   rec.peak_allocated_bytes = allocated;
   rec.allocated_at_peak_reserved_bytes = allocated;
   std::vector<std::pair<int64_t, int64_t>> rec_calls;
+  std::vector<int64_t> rec_reserved_after(snap.traces.size(), 0);
   std::unordered_map<uint64_t, std::pair<int64_t, int64_t>> live_at_peak = live;
   int64_t peak_requested_for_live = requested;
   for (size_t i = 0; i < snap.traces.size(); ++i) {
@@ -561,6 +596,7 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
       allocated -= rounding.round_size(e.size_bytes);
       live.erase(e.addr);
     }
+    rec_reserved_after[i] = reserved;
     if (reserved > rec.peak_reserved_bytes) {
       rec.peak_reserved_bytes = reserved;
       rec.peak_event = idx;
@@ -606,7 +642,12 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
       if (rec_calls[k].second > 0) {
         while (owner < r.num_events && snap.traces[static_cast<size_t>(owner)].action != "alloc") ++owner;
       }
-      same = rec_calls[k].second < 0 || owner == run.device_calls[k].first;
+      // A recorded segment_free belongs to the first of its run of frees
+      // (Note [cudaFree in a recording]).
+      if (rec_calls[k].second < 0) {
+        while (owner > 0 && snap.traces[static_cast<size_t>(owner - 1)].action == "segment_free") --owner;
+      }
+      same = owner == run.device_calls[k].first;
     }
     if (!same) {
       r.matches = false;
@@ -617,6 +658,22 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
       r.mismatch = "device call #" + std::to_string(k) + ": recorded " +
                    (have_rec ? what(rec_calls[k]) : std::string("nothing")) + ", model " +
                    (have_model ? what(run.device_calls[k]) : std::string("nothing"));
+      break;
+    }
+  }
+  // The reserved series: after every alloc and completed free (a run of
+  // recorded segment_frees ends before the event that follows it).
+  for (size_t i = 0; i < snap.traces.size(); ++i) {
+    const auto& a = snap.traces[i].action;
+    if ((a != "alloc" && a != "free_completed") || run.reserved_after[i] < 0) continue;
+    if (run.reserved_after[i] != rec_reserved_after[i]) {
+      if (r.matches || static_cast<int64_t>(i) < *r.first_mismatch) {
+        r.matches = false;
+        r.first_mismatch = static_cast<int64_t>(i);
+        r.mismatch = "reserved after event " + std::to_string(i) + " (" + a + "): recorded " +
+                     std::to_string(rec_reserved_after[i]) + " B, model " + std::to_string(run.reserved_after[i]) +
+                     " B";
+      }
       break;
     }
   }
@@ -637,17 +694,21 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
   return r;
 }
 
-std::vector<SnapshotWhatIf> what_if_snapshot(const Snapshot& snap, const std::vector<std::string>& confs) {
+std::vector<SnapshotWhatIf> what_if_snapshot(const Snapshot& snap, const std::vector<std::string>& confs,
+                                             int64_t device_bytes) {
+  TORCH_CHECK(device_bytes >= 0, "what_if_snapshot: expected a device size >= 0, but got ", device_bytes);
   const auto before = preexisting(snap);
   std::vector<SnapshotWhatIf> out;
   for (const auto& c : confs) {
-    auto run = run_model(snap, before, CudaAllocatorConfig::parse(c));
+    auto config = CudaAllocatorConfig::parse(c);
+    config.device_bytes(device_bytes);
+    auto run = run_model(snap, before, config);
     // Counted from an empty allocator: the blocks live before recording are
     // allocated too, so their segments count.
-    CudaCachingAllocatorModel base(CudaAllocatorConfig::parse(c));
+    CudaCachingAllocatorModel base(config);
     for (const auto& r : before) base.malloc(r.requested_bytes, r.stream);
     out.push_back({c, run.fig.peak_reserved_bytes, run.fig.allocated_at_peak_reserved_bytes,
-                   run.fig.num_segment_allocs + base.stats().num_device_allocs});
+                   run.fig.num_segment_allocs + base.stats().num_device_allocs, run.num_ooms});
   }
   return out;
 }

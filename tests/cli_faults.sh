@@ -97,6 +97,11 @@ case $case_name in
   report_deep)
     python3 -c "print('{\"schema\": \"trainmem/1\", \"x\": ' + '[' * 100000 + ']' * 100000 + '}')" > "$dir/deep.json"
     run report "$dir/deep.json" ;;
+  config_deep)
+    # A config.json nested 100,000 deep: refused by the bounded reader (it
+    # overflowed the JSON parser's stack before).
+    python3 -c "print('{\"model_type\": \"llama\", \"x\": ' + '[' * 100000 + ']' * 100000 + '}')" > "$dir/config.json"
+    run estimate --model "$dir/config.json" ;;
   report_control_chars)
     sed '0,/"title": "[^"]*"/s//"title": "evil\\u001b[31mred\\u0007\\u009b2J"/' "$report" > "$dir/bad.json"
     "$tm" report "$dir/bad.json" > "$dir/out.txt"; echo "status $?"

@@ -239,6 +239,48 @@ TEST(CudaAllocatorModelTest, DeviceCapacityFreesCacheThenFails) {
   EXPECT_EQ(m.stats().allocated_bytes, 40 * MiB);
 }
 
+// garbage_collection_threshold on a 100 MiB device (as with a memory
+// fraction set). Large pool get_free_block calls: 1 (a), 2 (b); a and b are
+// freed after call 2 (age base 2). c (40 MiB): call 3 finds no cached block
+// of 40 MiB; reserved 60 MiB > 0.5 x 100 MiB, so the whole free segments at
+// least as old as the average (ages 1 and 1, average 1) are returned: both,
+// 60 MiB reclaimed against a 10 MiB target. Then c's 40 MiB segment. Without
+// the threshold, c fits beside the cache: reserved peaks at 100 MiB.
+TEST(CudaAllocatorModelTest, GarbageCollectionThresholdReturnsOldSegments) {
+  auto run = [](const CudaAllocatorConfig& c) {
+    CudaCachingAllocatorModel m(c);
+    const auto a = m.malloc(30 * MiB);
+    const auto b = m.malloc(30 * MiB);
+    m.free(a);
+    m.free(b);
+    EXPECT_NE(m.malloc(40 * MiB), 0u);
+    return m.stats();
+  };
+  const auto gc = run(CudaAllocatorConfig::parse("garbage_collection_threshold:0.5").device_bytes(100 * MiB));
+  EXPECT_EQ(gc.num_device_frees, 2);
+  EXPECT_EQ(gc.reserved_bytes, 40 * MiB);
+  EXPECT_EQ(gc.peak_reserved_bytes, 60 * MiB);
+  EXPECT_EQ(gc.num_alloc_retries, 0);
+  const auto plain = run(CudaAllocatorConfig().device_bytes(100 * MiB));
+  EXPECT_EQ(plain.num_device_frees, 0);
+  EXPECT_EQ(plain.peak_reserved_bytes, 100 * MiB);
+  // No device size (no memory fraction): the threshold does nothing, as on a GPU.
+  const auto unbounded = run(CudaAllocatorConfig::parse("garbage_collection_threshold:0.5"));
+  EXPECT_EQ(unbounded.peak_reserved_bytes, 100 * MiB);
+  // The younger of two free segments stays: a is reused (call 3, exact fit)
+  // and freed again at age base 3; b, freed at base 2, is older. Call 4 (c)
+  // finds nothing; ages a 1, b 2, average 1.5: only b goes.
+  CudaCachingAllocatorModel m(CudaAllocatorConfig::parse("garbage_collection_threshold:0.5").device_bytes(100 * MiB));
+  const auto a = m.malloc(30 * MiB);
+  const auto b = m.malloc(30 * MiB);
+  m.free(a);
+  m.free(b);
+  m.free(m.malloc(30 * MiB));
+  EXPECT_NE(m.malloc(40 * MiB), 0u);
+  EXPECT_EQ(m.stats().num_device_frees, 1);
+  EXPECT_EQ(m.stats().reserved_bytes, 70 * MiB);
+}
+
 TEST(CudaAllocatorModelTest, ReplayGivesPeaksOfATrace) {
   // A sawtooth: three 8 MiB activations, then freed in reverse while 4 MiB
   // gradients appear.
@@ -270,6 +312,8 @@ TEST(CudaAllocatorModelTest, RejectsBadInput) {
   EXPECT_THROW(CudaAllocatorConfig::parse("expandable_segment:True"), c10::Error);  // misspelt key
   EXPECT_THROW(CudaAllocatorConfig::parse("roundup_power2_divisions:3"), c10::Error);  // not a power of 2
   EXPECT_NO_THROW(CudaAllocatorConfig::parse("garbage_collection_threshold:0.6,expandable_segments:False"));
+  EXPECT_THROW(CudaAllocatorConfig::parse("garbage_collection_threshold:1.5"), c10::Error);  // must be in (0, 1)
+  EXPECT_THROW(CudaAllocatorConfig::parse("garbage_collection_threshold:x"), c10::Error);
   CudaCachingAllocatorModel m;
   EXPECT_THROW(m.malloc(-1), c10::Error);
   EXPECT_THROW(m.free(12345), c10::Error);

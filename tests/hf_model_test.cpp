@@ -120,7 +120,7 @@ TEST(HfModelTest, BadConfigsNameTheKeyAndValue) {
   EXPECT_NE(error_of([] { trainmem::load_hf_config("/nonexistent/config.json"); })
                 .find("cannot read the model config /nonexistent/config.json"),
             std::string::npos);
-  EXPECT_NE(error_of([] { trainmem::parse_hf_config("{not json", "x.json"); }).find("x.json: not valid JSON"),
+  EXPECT_NE(error_of([] { trainmem::parse_hf_config("{not json", "x.json"); }).find("x.json: not JSON"),
             std::string::npos);
 }
 

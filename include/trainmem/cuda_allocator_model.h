@@ -19,6 +19,8 @@
 ///   requests within `max_non_split_rounding` (20 MiB) of their size;
 /// - `expandable_segments`: one segment per stream and pool that grows by
 ///   mapping 2 MiB (small) or 20 MiB (large) pages, and splits freely;
+/// - `garbage_collection_threshold` with a device capacity: old whole free
+///   segments are returned before a cudaMalloc above the threshold;
 /// - with a device capacity, a request that does not fit frees the cached
 ///   blocks that are not split (oversize ones first) and retries, then fails
 ///   (`num_ooms`).
@@ -67,15 +69,22 @@ struct CudaAllocatorConfig {
   /// of a large expandable segment (`large_segment_size_mb`), in bytes.
   TORCH_ARG(int64_t, large_segment_bytes) = 20LL << 20;
   /// The device's memory the allocator may reserve, in bytes; 0: unlimited.
+  /// (A device's capacity times `set_per_process_memory_fraction`.)
   TORCH_ARG(int64_t, device_bytes) = 0;
+  /// `garbage_collection_threshold`: with a device size, before a cudaMalloc
+  /// with more than this fraction of it reserved, whole free large segments
+  /// at least as old as the average (get_free_block calls since freed) are
+  /// returned, until reserved is back at the fraction. 0: off.
+  TORCH_ARG(double, garbage_collection_threshold) = 0.0;
 
  public:  // TORCH_ARG leaves the section private
   /// Parses a `PYTORCH_CUDA_ALLOC_CONF` string: `max_split_size_mb:N`,
   /// `max_non_split_rounding_mb:N`, `roundup_power2_divisions:N` or
   /// `roundup_power2_divisions:[256:1,512:2,>:4]` (keys in MiB, powers of
-  /// two), `expandable_segments:True|False`, `large_segment_size_mb:N`.
-  /// Keys the model ignores (`garbage_collection_threshold`, pinned-memory
-  /// and backend settings) are accepted. Throws c10::Error naming a bad key
+  /// two), `expandable_segments:True|False`, `large_segment_size_mb:N`,
+  /// `garbage_collection_threshold:F` (0 < F < 1; acts with device_bytes).
+  /// Keys the model ignores (pinned-memory and backend settings) are
+  /// accepted. Throws c10::Error naming a bad key
   /// or value.
   static CudaAllocatorConfig parse(const std::string& conf);
 };

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "trainmem/device.h"
+#include "trainmem/format.h"  // with_commas, human_bytes (declared here before)
 #include "trainmem/meter.h"
 #include "trainmem/timeline.h"
 
@@ -126,11 +127,5 @@ std::string to_chrome_trace(const AuditReport& report);
 /// lowercase `category` key, as PyTorch's profiler snapshots do, and frames
 /// naming category and phase), and one segment per block still live at the end.
 std::string to_memory_viz_pickle(const Timeline& timeline);
-
-/// "1,234,567": bytes with thousands separators.
-std::string with_commas(int64_t value);
-
-/// "48.7 MiB": bytes in binary units with one decimal.
-std::string human_bytes(int64_t bytes);
 
 } // namespace trainmem

@@ -157,10 +157,16 @@ struct SnapshotWhatIf {
   int64_t peak_reserved_bytes = 0;
   int64_t allocated_at_peak_reserved_bytes = 0;
   int64_t num_segment_allocs = 0;
+  /// Requests that did not fit in `device_bytes` (0 without a device size).
+  int64_t num_ooms = 0;
 };
 
 /// Replays the same requests from an empty allocator under each
-/// `PYTORCH_CUDA_ALLOC_CONF` string (CudaAllocatorConfig::parse).
-std::vector<SnapshotWhatIf> what_if_snapshot(const Snapshot& snap, const std::vector<std::string>& confs);
+/// `PYTORCH_CUDA_ALLOC_CONF` string (CudaAllocatorConfig::parse), on a device
+/// of `device_bytes` (0: unlimited). A device size is what makes
+/// `garbage_collection_threshold` act, as a memory fraction does on a GPU,
+/// and what makes a request fail (counted in num_ooms).
+std::vector<SnapshotWhatIf> what_if_snapshot(const Snapshot& snap, const std::vector<std::string>& confs,
+                                             int64_t device_bytes = 0);
 
 } // namespace trainmem
