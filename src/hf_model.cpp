@@ -15,7 +15,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/logical_and.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/relu.h>
@@ -449,7 +448,7 @@ at::Tensor sdpa_attention(const at::Tensor& q, at::Tensor k, at::Tensor v, const
 at::Tensor sliding_window_mask(int64_t B, int64_t T, int64_t window, const at::TensorOptions& options) {
   auto pos = at::arange(T, options.dtype(at::kLong));
   auto q = pos.unsqueeze(1), k = pos.unsqueeze(0);
-  return at::logical_and(k <= q, k > q - window).view({1, 1, T, T}).expand({B, 1, T, T});
+  return ((k <= q) & (k > q - window)).view({1, 1, T, T}).expand({B, 1, T, T});  // structured ops: run on meta
 }
 
 // Runs blocks 0 .. L-1 on h, checkpointing the regions `plan` names (as
