@@ -75,10 +75,65 @@ TEST(HfModelTest, Llama2_7bFromItsConfigHasExactlyItsParameters) {
   EXPECT_EQ(loss.dim(), 0);
 }
 
+// The published 7B/8B-class configs of the other architectures: the
+// parameter counts transformers 5.24.0 gives them (built on meta there too;
+// tests/hf_params.py checks them against transformers where it is installed).
+TEST(HfModelTest, PublishedMistralQwenConfigsHaveTransformersParameterCounts) {
+  struct Published {
+    const char* file;
+    trainmem::HfArchitecture architecture;
+    int64_t num_params;
+  };
+  for (const auto& [file, architecture, num_params] : {
+           Published{"mistral_7b_v0.1.json", trainmem::HfArchitecture::kMistral, 7241732096},
+           Published{"qwen2_7b.json", trainmem::HfArchitecture::kQwen2, 7615616512},
+           Published{"qwen3_8b.json", trainmem::HfArchitecture::kQwen3, 8190735360}}) {
+    const auto config = trainmem::load_hf_config(data(file));
+    EXPECT_EQ(config.architecture, architecture) << file;
+    EXPECT_EQ(trainmem::hf_num_params(config), num_params) << file;
+    const auto model = build_on_meta(config);
+    EXPECT_EQ(trainmem::account(*model.module).num_params, num_params) << file;
+  }
+  const auto mistral = trainmem::load_hf_config(data("mistral_7b_v0.1.json"));
+  EXPECT_EQ(mistral.sliding_window, 4096);
+  EXPECT_EQ(mistral.num_kv_heads, 8);
+  const auto qwen2 = trainmem::load_hf_config(data("qwen2_7b.json"));
+  EXPECT_TRUE(qwen2.qkv_bias);
+  EXPECT_FALSE(qwen2.attention_bias);
+  EXPECT_EQ(qwen2.sliding_window, 0);  // use_sliding_window false
+  const auto qwen3 = trainmem::load_hf_config(data("qwen3_8b.json"));
+  EXPECT_TRUE(qwen3.qk_norm);
+  EXPECT_EQ(qwen3.head_dim, 128);
+  // transformers' defaults where a key is missing: Qwen3's head_dim is 128
+  // whatever the width, Mistral's window 4096 and its KV heads 8.
+  const auto q3 = trainmem::parse_hf_config(R"({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10})", "inline");
+  EXPECT_EQ(q3.head_dim, 128);
+  const auto m = trainmem::parse_hf_config(R"({"model_type": "mistral", "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": 10})", "inline");
+  EXPECT_EQ(m.sliding_window, 4096);
+  EXPECT_EQ(m.num_kv_heads, 8);
+  const auto off = trainmem::parse_hf_config(R"({"model_type": "mistral", "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": 10, "sliding_window": null})", "inline");
+  EXPECT_EQ(off.sliding_window, 0);
+  const auto sliding = error_of([] {
+    trainmem::parse_hf_config(R"({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10, "use_sliding_window": true})", "inline");
+  });
+  EXPECT_NE(sliding.find("\"use_sliding_window\" true is not supported for qwen2"), std::string::npos) << sliding;
+  const auto act = error_of([] {
+    trainmem::parse_hf_config(R"({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 10,
+        "n_positions": 8, "activation_function": "quick_gelu"})", "inline");
+  });
+  EXPECT_NE(act.find("\"activation_function\" \"quick_gelu\" is not supported"), std::string::npos) << act;
+}
+
 // The formula and the built module agree for every option: GQA, tied head,
-// attention and MLP biases.
+// attention and MLP biases, q/k/v biases, q/k norms, a wider head, n_inner.
 TEST(HfModelTest, FormulaMatchesTheModuleForEveryOption) {
-  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json", "tiny_llama_tied_bias.json"}) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_gpt2_odd.json", "tiny_gpt2_tanh.json", "tiny_llama.json",
+                           "tiny_llama_tied_bias.json", "tiny_llama_gqa3.json", "tiny_llama_mha5.json",
+                           "tiny_llama_wide_heads.json", "tiny_mistral.json", "tiny_qwen2.json", "tiny_qwen3.json"}) {
     const auto config = trainmem::load_hf_config(data(name));
     const auto model = build_on_meta(config);
     EXPECT_EQ(trainmem::account(*model.module).num_params, trainmem::hf_num_params(config)) << name;
@@ -146,9 +201,11 @@ TEST(HfModelTest, TinyModelsTrainOnCpu) {
 }
 
 // What a step saves is exact on meta, and its peak matches the CPU's.
+// tiny_mistral at 64 tokens is past its window of 24: its mask path (the
+// boolean mask SDPA converts and saves, k and v repeated) on meta as on CPU.
 TEST(HfModelTest, TinyModelsStepPeakOnMetaMatchesTheCpu) {
   trainmem::CpuMemoryTracker::install();
-  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json"}) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json", "tiny_mistral.json"}) {
     const auto config = trainmem::load_hf_config(data(name));
     torch::manual_seed(0);
     const auto cpu = trainmem::build_hf_model(config);
@@ -280,12 +337,15 @@ TEST(HfModelTest, RegionPlanForACudaBudget) {
   }
 }
 
-// transformers' name of a parameter of our Llama.
-std::string transformers_name(std::string n) {
+// transformers' name of a parameter of our model: GPT-2's are its own under
+// "transformer."; the LLaMA family's attention and MLP sit in self_attn and mlp.
+std::string transformers_name(trainmem::HfArchitecture architecture, std::string n) {
+  if (architecture == trainmem::HfArchitecture::kGPT2) return "transformer." + n;
   if (n.rfind("lm_head.", 0) == 0) return n;
   for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
            {".q_proj.", ".self_attn.q_proj."}, {".k_proj.", ".self_attn.k_proj."},
            {".v_proj.", ".self_attn.v_proj."}, {".o_proj.", ".self_attn.o_proj."},
+           {".q_norm.", ".self_attn.q_norm."}, {".k_norm.", ".self_attn.k_norm."},
            {".gate_proj.", ".mlp.gate_proj."}, {".up_proj.", ".mlp.up_proj."},
            {".down_proj.", ".mlp.down_proj."}}) {
     if (auto at = n.find(from); at != std::string::npos) n.replace(at, from.size(), to);
@@ -293,10 +353,19 @@ std::string transformers_name(std::string n) {
   return "model." + n;
 }
 
+// Must match tests/hf_llama_loss.py's is_norm_weight().
+bool is_norm_weight(const std::string& name) {
+  for (const char* end : {"norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight"}) {
+    if (name.ends_with(end)) return true;
+  }
+  return false;
+}
+
 // Independent check (tests/hf_llama_loss.py runs it with transformers'
-// loss): every parameter filled with the same values as there, by its
-// transformers name (sorted index i: 0.25 sin(0.7 k + i), norms 1 + that),
-// gives transformers' LlamaForCausalLM loss on the same tokens.
+// loss, for GPT-2 and every LLaMA-family architecture): every parameter
+// filled with the same values as there, by its transformers name (sorted
+// index i: 0.25 sin(0.7 k + i), norms 1 + that), gives transformers' causal
+// LM loss on the same tokens.
 TEST(HfModelTest, LlamaLossEqualsTransformers) {
   const char* expected = std::getenv("TRAINMEM_HF_LLAMA_LOSS");
   const char* path = std::getenv("TRAINMEM_HF_CONFIG");
@@ -305,13 +374,15 @@ TEST(HfModelTest, LlamaLossEqualsTransformers) {
   }
   const auto model = trainmem::build_hf_model(trainmem::load_hf_config(path));
   std::vector<std::pair<std::string, at::Tensor>> params;
-  for (const auto& p : model.module->named_parameters()) params.emplace_back(transformers_name(p.key()), p.value());
+  for (const auto& p : model.module->named_parameters()) {
+    params.emplace_back(transformers_name(model.config.architecture, p.key()), p.value());
+  }
   std::sort(params.begin(), params.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& [name, p] = params[i];
-      const bool norm = name.size() >= 16 && (name.ends_with("layernorm.weight") || name == "model.norm.weight");
+      const bool norm = is_norm_weight(name);
       auto k = torch::arange(p.numel(), torch::kDouble);
       auto v = (0.25 * torch::sin(0.7 * k + static_cast<double>(i))).to(torch::kFloat);
       p.copy_((norm ? v + 1.0 : v).view_as(p));

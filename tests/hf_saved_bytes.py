@@ -18,9 +18,17 @@ with the node that saved it (found by walking the graph from the loss), and
 "new" is false for a storage counted already or a parameter's. Exits 77
 (skipped) without transformers. No network: the config is a local file.
 
+With --check, compares each CONFIG at BATCH x SEQ_LEN with
+`trainmem estimate --model CONFIG --batch BATCH --seq-len SEQ_LEN --json`:
+its num_params, activation_bytes and step_peak.activation_bytes must equal
+transformers' parameters and saved bytes (the ctest
+hf.saved_bytes_match_transformers).
+
 usage: hf_saved_bytes.py CONFIG.json BATCH SEQ_LEN [--no-list]
+       hf_saved_bytes.py --check TRAINMEM_CLI CONFIG.json:BATCH:SEQ_LEN...
 """
 import json
+import subprocess
 import sys
 
 try:
@@ -131,7 +139,30 @@ def measure(path, batch, seq_len):
     }
 
 
+def check(cli, cases):
+    bad = 0
+    for case in cases:
+        path, batch, seq_len = case.rsplit(":", 2)
+        out = subprocess.run([cli, "estimate", "--model", path, "--json", "--batch", batch, "--seq-len", seq_len],
+                             check=True, capture_output=True, text=True).stdout
+        ours = json.loads(out)
+        theirs = measure(path, int(batch), int(seq_len))
+        got = (ours["num_params"], ours["activation_bytes"], ours["step_peak"]["activation_bytes"])
+        want = (theirs["num_params"], theirs["saved_bytes"], theirs["saved_bytes"])
+        ok = got == want
+        bad += not ok
+        print(f"{path} batch {batch} x {seq_len}: parameters trainmem {got[0]:,} transformers {want[0]:,}; "
+              f"saved bytes trainmem {got[1]:,} (step peak's {got[2]:,}), transformers {theirs['transformers']} "
+              f"{theirs['architecture']} {want[1]:,}{'' if ok else '  MISMATCH'}")
+    if bad:
+        sys.exit(1)
+    print("saved bytes match transformers")
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--check":
+        check(sys.argv[2], sys.argv[3:])
+        return
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if len(args) != 3:
         print(__doc__, file=sys.stderr)
