@@ -57,7 +57,8 @@
 //   the same size. The cache holds nothing that autograd does not.
 // - Attention (sdpa_attention_forward): grouped-query k and v go to SDPA
 //   with enable_gqa where use_gqa_in_sdpa allows it (no mask, head_dim <=
-//   256 on CPU and CUDA), else repeat_kv copies them to the query heads;
+//   256 on CPU and CUDA), else repeat_kv copies them to the query heads (or,
+//   for one query token, pack_gqa folds the query heads onto the KV heads);
 //   is_causal without a mask. Mistral's sliding-window mask is made once
 //   T >= sliding_window (masking_utils' _ignore_causal_mask_sdpa stops
 //   skipping it there): a boolean (B, 1, T, T) expanded view, which SDPA
@@ -429,16 +430,21 @@ at::Tensor sdpa_attention(const at::Tensor& q, at::Tensor k, at::Tensor v, const
                           double scale) {
   const int64_t B = q.size(0), T = q.size(2), n_rep = q.size(1) / k.size(1);
   bool gqa = false;
+  at::Tensor query = q;
   if (n_rep > 1) {
     if (use_gqa_in_sdpa(mask, k, v)) {
       gqa = true;
+    } else if (T == 1) {
+      // pack_gqa: one query token, (B, H, 1, hd) -> (B, KV, n_rep, hd); a mask
+      // shared by the heads (ours: (B, 1, T, T)) as it is.
+      query = q.reshape({B, q.size(1) / n_rep, n_rep, q.size(3)});
     } else {
       k = repeat_kv(k, n_rep);
       v = repeat_kv(v, n_rep);
     }
   }
   const bool is_causal = T > 1 && !mask.has_value();
-  auto out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, is_causal, scale, gqa);
+  auto out = at::scaled_dot_product_attention(query, k, v, mask, /*dropout_p=*/0.0, is_causal, scale, gqa);
   out = out.reshape({out.size(0), -1, T, v.size(-1)}).transpose(1, 2).contiguous();  // (B, T, H, hd)
   return out.reshape({B, T, -1}).contiguous();
 }
