@@ -279,7 +279,7 @@ HfConfig parse_hf_config(const std::string& json_text, const std::string& source
       if (!r.j.contains("sliding_window")) {
         c.sliding_window = 4096;  // MistralConfig's default; null turns it off
       }
-      TORCH_CHECK(!r.j.contains("layer_types"), source,
+      TORCH_CHECK(!r.has("layer_types"), source,
                   ": \"layer_types\" is not supported for mistral (transformers builds it as Ministral)");
       break;
     case HfArchitecture::kQwen2:
