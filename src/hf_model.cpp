@@ -546,7 +546,7 @@ at::Tensor Gpt2AttentionImpl::forward(const at::Tensor& x) {
     k = cache_copy(k);
     v = cache_copy(v);
   }
-  auto attn = sdpa_attention(q, k, v, std::nullopt, 1.0 / std::sqrt(static_cast<double>(hd)));
+  auto attn = sdpa_attention(q, k, v, std::nullopt, std::pow(static_cast<double>(hd), -0.5));
   return c_proj->forward(attn);
 }
 
@@ -736,7 +736,7 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, c
   if (o.sliding_window() > 0 && T >= o.sliding_window()) {
     mask = sliding_window_mask(B, T, o.sliding_window(), x.options());
   }
-  auto attn = sdpa_attention(q, k, v, mask, 1.0 / std::sqrt(static_cast<double>(hd)));  // (B, T, H hd)
+  auto attn = sdpa_attention(q, k, v, mask, std::pow(static_cast<double>(hd), -0.5));  // (B, T, H hd)
   auto h = x + o_proj->forward(attn);
   auto m = post_attention_layernorm->forward(h);
   return h + down_proj->forward(at::silu(gate_proj->forward(m)) * up_proj->forward(m));
