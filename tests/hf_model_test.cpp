@@ -75,6 +75,48 @@ TEST(HfModelTest, Llama2_7bFromItsConfigHasExactlyItsParameters) {
   EXPECT_EQ(loss.dim(), 0);
 }
 
+// What one training forward saves, on CPU (the meter) and predicted on meta,
+// equals what transformers 5.24.0's model of the same config saves, as
+// tests/hf_saved_bytes.py measured it (torch 2.13.0, CPU, fp32, sdpa, dropout
+// 0, labels = tokens); ctest hf.saved_bytes_match_transformers measures it
+// again wherever transformers is installed. Each case is one side of a choice
+// transformers makes: gelu_new and the KV cache's copies (GPT-2, use_cache on
+// and off), enable_gqa (GQA ratios 1, 2, 3) or repeat_kv (head_dim 264), or
+// pack_gqa (one token), Mistral within, at and past its window, batch 1 (the
+// loss's labels a view).
+TEST(HfModelTest, SavedBytesEqualTransformersOnCpuAndMeta) {
+  struct Case {
+    const char* file;
+    int64_t B, T, transformers_saved_bytes;
+  };
+  for (const auto& [file, B, T, expected] : {
+           Case{"tiny_gpt2.json", 3, 17, 866324}, Case{"tiny_gpt2.json", 1, 9, 152940},
+           Case{"tiny_gpt2_odd.json", 5, 13, 1272548}, Case{"tiny_gpt2_tanh.json", 2, 9, 142204},
+           Case{"tiny_llama.json", 3, 17, 619280}, Case{"tiny_llama_tied_bias.json", 3, 17, 1146416},
+           Case{"tiny_llama_gqa3.json", 1, 17, 154508}, Case{"tiny_llama_mha5.json", 3, 17, 666812},
+           Case{"tiny_llama_wide_heads.json", 3, 11, 684028}, Case{"tiny_llama_wide_heads.json", 3, 1, 62188},
+           Case{"tiny_mistral.json", 3, 17, 579568}, Case{"tiny_mistral.json", 3, 24, 887332},
+           Case{"tiny_mistral.json", 1, 30, 373092}, Case{"tiny_qwen2.json", 3, 17, 547948},
+           Case{"tiny_qwen3.json", 1, 15, 169572}}) {
+    const auto config = trainmem::load_hf_config(data(file));
+    const auto cpu = trainmem::build_hf_model(config);
+    auto tokens = torch::empty({B, T}, torch::kLong);  // as hf_saved_bytes.py's
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) tokens[b][t] = (7 * b + 3 * t + 1) % config.vocab_size;
+    }
+    trainmem::SavedTensorMeter meter(*cpu.module);
+    {
+      trainmem::SavedTensorMeterGuard scope(meter);
+      (void)cpu.loss(tokens);
+    }
+    const auto meta = build_on_meta(config);
+    const auto predicted =
+        trainmem::predict_saved_activations(*meta.module, [&] { return meta.loss(meta_tokens(B, T)); });
+    EXPECT_EQ(meter.report().saved_bytes, expected) << file << " " << B << " x " << T << " on CPU";
+    EXPECT_EQ(predicted.saved_bytes, expected) << file << " " << B << " x " << T << " on meta";
+  }
+}
+
 // The published 7B/8B-class configs of the other architectures: the
 // parameter counts transformers 5.24.0 gives them (built on meta there too;
 // tests/hf_params.py checks them against transformers where it is installed).
