@@ -59,8 +59,8 @@ HfConfig load_config(const std::string& path, int64_t batch, int64_t seq_len) {
 }
 
 std::string describe(const HfConfig& config, const std::string& path) {
-  return fmt::format("{} from {}: {} layers, hidden {}, {} heads ({} key-value), MLP {}, vocab {}{}{} "
-                     "(as transformers {}'s {})",
+  return fmt::format("{} from {}: {} layers, hidden {}, {} heads ({} key-value), MLP {}, vocab {}{}{}; "
+                     "as transformers {}'s {}",
                      to_string(config.architecture), path, config.num_layers, config.hidden_size, config.num_heads,
                      config.num_kv_heads, config.intermediate_size, config.vocab_size,
                      config.tie_word_embeddings ? ", tied head" : "",
