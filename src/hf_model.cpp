@@ -875,8 +875,10 @@ RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len
     m.regions.emplace_back(
         "embed", [gpt](const at::Tensor& tokens) { return gpt->embed(tokens); },
         Modules{gpt->wte.ptr(), gpt->wpe.ptr()});
-    for (auto& r : regions_of<Gpt2BlockImpl>(gpt->h)) {
-      m.regions.push_back(std::move(r));
+    for (size_t i = 0; i < gpt->h->size(); ++i) {
+      auto block = std::dynamic_pointer_cast<Gpt2BlockImpl>(gpt->h->ptr(i));
+      m.regions.emplace_back(
+          fmt::format("h.{}", i), [block](const at::Tensor& h) { return block->forward(h); }, Modules{block});
     }
     m.regions.emplace_back("head", [gpt](const at::Tensor& h) { return gpt->head(h); },
                            Modules{gpt->ln_f.ptr(), gpt->wte.ptr()});
