@@ -341,9 +341,9 @@ HfModel build_hf_model(const HfConfig& config);
 
 /// `model`'s training step as plan_regions() sees it: the embedding (GPT-2:
 /// token + position), one region per block ("h.i": Gpt2Block; "layers.i":
-/// LlamaBlock), and the final norm with the LM head; the input is `batch` x `seq_len` tokens (zeros), the loss is the
-/// causal-LM cross-entropy of HfModel::loss (labels of the same shape, the
-/// last position ignored). A LLaMA block's region makes its own rotary cos
+/// LlamaBlock), and the final norm with the LM head; the input is `batch` x
+/// `seq_len` tokens (zeros), the loss is the causal-LM cross-entropy of
+/// HfModel::loss (labels of the same shape, the last position ignored). A LLaMA block's region makes its own rotary cos
 /// and sin ((T, head_dim) each, which its backward keeps), where
 /// LlamaImpl::forward shares one pair: the plan counts what run_regions()
 /// runs. No optimizer is set (add one, or `make_optimizer`). Throws if
