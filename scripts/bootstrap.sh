@@ -6,6 +6,11 @@
 #   - Debian packages (only when run as root; otherwise it says what is missing)
 #   - LibTorch: Torch_DIR or CMAKE_PREFIX_PATH if they already point at one,
 #     else torch==2.13.0 from pip into the project-local venv (.venv).
+#   - Hugging Face transformers==5.24.0 from pip into that venv (the hf.*
+#     ctests compare the config-file models with it, hf_model.h): the release
+#     whose modeling code trainmem's GPT-2, LLaMA, Mistral and Qwen follow.
+#     TRAINMEM_TRANSFORMERS_VERSION picks another, "none" skips it; offline,
+#     it is skipped with a warning and those tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,5 +64,15 @@ spec='import importlib.util as u, os; s = u.find_spec("torch"); print(os.path.jo
 if [ -z "$("$venv/bin/python" -c "$spec")" ]; then
   log "installing torch==$want into $venv (LibTorch and the Python tools the tests compare with)"
   "$venv/bin/pip" install -q "torch==$want" >&2
+fi
+# The version from the installed metadata, without importing transformers (seconds).
+hf_want=${TRAINMEM_TRANSFORMERS_VERSION:-5.24.0}
+hf_have='import importlib.metadata as m
+try: print(m.version("transformers"))
+except m.PackageNotFoundError: print("")'
+if [ "$hf_want" != none ] && [ "$("$venv/bin/python" -c "$hf_have")" != "$hf_want" ]; then
+  log "installing transformers==$hf_want into $venv (the hf.* tests compare the config-file models with it)"
+  "$venv/bin/pip" install -q "transformers==$hf_want" >&2 ||
+    log "could not install transformers==$hf_want: the hf.* comparisons will skip"
 fi
 "$venv/bin/python" -c "$spec"

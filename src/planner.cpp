@@ -182,7 +182,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_meta(
 }
 
 // The CPU's choice (sdp_utils_cpp.cpp's use_flash_attention_cpp), for the
-// arguments it checks that matter on meta.
+// arguments it checks that matter on meta. Measured on LibTorch 2.13's CPU
+// (tests/hf_saved_bytes.py): flash takes grouped-query k and v with
+// enable_gqa (query heads a multiple of theirs), and masks that broadcast to
+// (B, H, Tq, Tk), 2-D or 4-D, boolean or floating.
 bool cpu_would_use_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const std::optional<at::Tensor>& mask, double dropout_p, bool enable_gqa) {
   if (dropout_p != 0.0 || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) {
@@ -198,18 +201,42 @@ bool cpu_would_use_flash(const at::Tensor& q, const at::Tensor& k, const at::Ten
   if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) {
     return false;
   }
-  if (q.size(1) != k.size(1) && !enable_gqa) {
+  if (q.size(0) != k.size(0) || k.size(0) != v.size(0) || k.size(1) != v.size(1)) {
     return false;
   }
-  return !(mask.has_value() && mask->defined());  // masked: math, conservatively
+  if (q.size(1) != k.size(1) && !(enable_gqa && k.size(1) > 0 && q.size(1) % k.size(1) == 0)) {
+    return false;
+  }
+  if (mask.has_value() && mask->defined()) {
+    const auto& m = *mask;
+    if (m.scalar_type() != at::kBool && m.scalar_type() != q.scalar_type()) {
+      return false;
+    }
+    if (m.dim() != 2 && m.dim() != 4) {
+      return false;
+    }
+    const std::vector<int64_t> full{q.size(0), q.size(1), q.size(2), k.size(2)};
+    for (int64_t i = 0; i < m.dim(); ++i) {
+      const int64_t want = full[4 - m.dim() + i];
+      if (m.size(i) != 1 && m.size(i) != want) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 at::Tensor sdpa_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                      std::optional<double> scale, bool enable_gqa) {
-  if (cpu_would_use_flash(q, k, v, mask, dropout_p, enable_gqa) && q.size(1) == k.size(1)) {
-    return std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
-                                                                       mask, scale));
+  if (cpu_would_use_flash(q, k, v, mask, dropout_p, enable_gqa)) {
+    // attention.cpp's convert_boolean_attn_mask: a boolean mask becomes a
+    // contiguous float mask of its shape (flash's backward saves it).
+    std::optional<at::Tensor> m = mask;
+    if (m.has_value() && m->defined() && m->scalar_type() == at::kBool) {
+      m = at::empty(m->sizes(), q.options());
+    }
+    return std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, m, scale));
   }
   return std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, mask, dropout_p, is_causal,
                                                             std::nullopt, scale, enable_gqa));

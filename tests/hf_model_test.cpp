@@ -75,10 +75,107 @@ TEST(HfModelTest, Llama2_7bFromItsConfigHasExactlyItsParameters) {
   EXPECT_EQ(loss.dim(), 0);
 }
 
+// What one training forward saves, on CPU (the meter) and predicted on meta,
+// equals what transformers 5.24.0's model of the same config saves, as
+// tests/hf_saved_bytes.py measured it (torch 2.13.0, CPU, fp32, sdpa, dropout
+// 0, labels = tokens); ctest hf.saved_bytes_match_transformers measures it
+// again wherever transformers is installed. Each case is one side of a choice
+// transformers makes: gelu_new and the KV cache's copies (GPT-2, use_cache on
+// and off), enable_gqa (GQA ratios 1, 2, 3) or repeat_kv (head_dim 264), or
+// pack_gqa (one token), Mistral within, at and past its window, batch 1 (the
+// loss's labels a view).
+TEST(HfModelTest, SavedBytesEqualTransformersOnCpuAndMeta) {
+  struct Case {
+    const char* file;
+    int64_t B, T, transformers_saved_bytes;
+  };
+  for (const auto& [file, B, T, expected] : {
+           Case{"tiny_gpt2.json", 3, 17, 866324}, Case{"tiny_gpt2.json", 1, 9, 152940},
+           Case{"tiny_gpt2_odd.json", 5, 13, 1272548}, Case{"tiny_gpt2_tanh.json", 2, 9, 142204},
+           Case{"tiny_llama.json", 3, 17, 619280}, Case{"tiny_llama_tied_bias.json", 3, 17, 1146416},
+           Case{"tiny_llama_gqa3.json", 1, 17, 154508}, Case{"tiny_llama_mha5.json", 3, 17, 666812},
+           Case{"tiny_llama_wide_heads.json", 3, 11, 684028}, Case{"tiny_llama_wide_heads.json", 3, 1, 62188},
+           Case{"tiny_mistral.json", 3, 17, 579568}, Case{"tiny_mistral.json", 3, 24, 887332},
+           Case{"tiny_mistral.json", 1, 30, 373092}, Case{"tiny_qwen2.json", 3, 17, 547948},
+           Case{"tiny_qwen3.json", 1, 15, 169572}}) {
+    const auto config = trainmem::load_hf_config(data(file));
+    const auto cpu = trainmem::build_hf_model(config);
+    auto tokens = torch::empty({B, T}, torch::kLong);  // as hf_saved_bytes.py's
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) tokens[b][t] = (7 * b + 3 * t + 1) % config.vocab_size;
+    }
+    trainmem::SavedTensorMeter meter(*cpu.module);
+    {
+      trainmem::SavedTensorMeterGuard scope(meter);
+      (void)cpu.loss(tokens);
+    }
+    const auto meta = build_on_meta(config);
+    const auto predicted =
+        trainmem::predict_saved_activations(*meta.module, [&] { return meta.loss(meta_tokens(B, T)); });
+    EXPECT_EQ(meter.report().saved_bytes, expected) << file << " " << B << " x " << T << " on CPU";
+    EXPECT_EQ(predicted.saved_bytes, expected) << file << " " << B << " x " << T << " on meta";
+  }
+}
+
+// The published 7B/8B-class configs of the other architectures: the
+// parameter counts transformers 5.24.0 gives them (built on meta there too;
+// tests/hf_params.py checks them against transformers where it is installed).
+TEST(HfModelTest, PublishedMistralQwenConfigsHaveTransformersParameterCounts) {
+  struct Published {
+    const char* file;
+    trainmem::HfArchitecture architecture;
+    int64_t num_params;
+  };
+  for (const auto& [file, architecture, num_params] : {
+           Published{"mistral_7b_v0.1.json", trainmem::HfArchitecture::kMistral, 7241732096},
+           Published{"qwen2_7b.json", trainmem::HfArchitecture::kQwen2, 7615616512},
+           Published{"qwen3_8b.json", trainmem::HfArchitecture::kQwen3, 8190735360}}) {
+    const auto config = trainmem::load_hf_config(data(file));
+    EXPECT_EQ(config.architecture, architecture) << file;
+    EXPECT_EQ(trainmem::hf_num_params(config), num_params) << file;
+    const auto model = build_on_meta(config);
+    EXPECT_EQ(trainmem::account(*model.module).num_params, num_params) << file;
+  }
+  const auto mistral = trainmem::load_hf_config(data("mistral_7b_v0.1.json"));
+  EXPECT_EQ(mistral.sliding_window, 4096);
+  EXPECT_EQ(mistral.num_kv_heads, 8);
+  const auto qwen2 = trainmem::load_hf_config(data("qwen2_7b.json"));
+  EXPECT_TRUE(qwen2.qkv_bias);
+  EXPECT_FALSE(qwen2.attention_bias);
+  EXPECT_EQ(qwen2.sliding_window, 0);  // use_sliding_window false
+  const auto qwen3 = trainmem::load_hf_config(data("qwen3_8b.json"));
+  EXPECT_TRUE(qwen3.qk_norm);
+  EXPECT_EQ(qwen3.head_dim, 128);
+  // transformers' defaults where a key is missing: Qwen3's head_dim is 128
+  // whatever the width, Mistral's window 4096 and its KV heads 8.
+  const auto q3 = trainmem::parse_hf_config(R"({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10})", "inline");
+  EXPECT_EQ(q3.head_dim, 128);
+  const auto m = trainmem::parse_hf_config(R"({"model_type": "mistral", "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": 10})", "inline");
+  EXPECT_EQ(m.sliding_window, 4096);
+  EXPECT_EQ(m.num_kv_heads, 8);
+  const auto off = trainmem::parse_hf_config(R"({"model_type": "mistral", "hidden_size": 64, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": 10, "sliding_window": null})", "inline");
+  EXPECT_EQ(off.sliding_window, 0);
+  const auto sliding = error_of([] {
+    trainmem::parse_hf_config(R"({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10, "use_sliding_window": true})", "inline");
+  });
+  EXPECT_NE(sliding.find("\"use_sliding_window\" true is not supported for qwen2"), std::string::npos) << sliding;
+  const auto act = error_of([] {
+    trainmem::parse_hf_config(R"({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 10,
+        "n_positions": 8, "activation_function": "quick_gelu"})", "inline");
+  });
+  EXPECT_NE(act.find("\"activation_function\" \"quick_gelu\" is not supported"), std::string::npos) << act;
+}
+
 // The formula and the built module agree for every option: GQA, tied head,
-// attention and MLP biases.
+// attention and MLP biases, q/k/v biases, q/k norms, a wider head, n_inner.
 TEST(HfModelTest, FormulaMatchesTheModuleForEveryOption) {
-  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json", "tiny_llama_tied_bias.json"}) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_gpt2_odd.json", "tiny_gpt2_tanh.json", "tiny_llama.json",
+                           "tiny_llama_tied_bias.json", "tiny_llama_gqa3.json", "tiny_llama_mha5.json",
+                           "tiny_llama_wide_heads.json", "tiny_mistral.json", "tiny_qwen2.json", "tiny_qwen3.json"}) {
     const auto config = trainmem::load_hf_config(data(name));
     const auto model = build_on_meta(config);
     EXPECT_EQ(trainmem::account(*model.module).num_params, trainmem::hf_num_params(config)) << name;
@@ -146,9 +243,11 @@ TEST(HfModelTest, TinyModelsTrainOnCpu) {
 }
 
 // What a step saves is exact on meta, and its peak matches the CPU's.
+// tiny_mistral at 64 tokens is past its window of 24: its mask path (the
+// boolean mask SDPA converts and saves, k and v repeated) on meta as on CPU.
 TEST(HfModelTest, TinyModelsStepPeakOnMetaMatchesTheCpu) {
   trainmem::CpuMemoryTracker::install();
-  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json"}) {
+  for (const char* name : {"tiny_gpt2.json", "tiny_llama.json", "tiny_mistral.json"}) {
     const auto config = trainmem::load_hf_config(data(name));
     torch::manual_seed(0);
     const auto cpu = trainmem::build_hf_model(config);
@@ -233,7 +332,7 @@ TEST(HfModelTest, LlamaUnderACheckpointPlanGivesIdenticalGradients) {
 
 
 // plan --model --device cuda's library call: a LLaMA planned for a CUDA
-// budget of 20 MB allocated. 'none' predicts 20,430,848 B on CUDA (17 MB of
+// budget of 20 MB allocated. 'none' predicts 20,365,312 B on CUDA (17 MB of
 // it the three cuBLAS/cuBLASLt workspaces), so the planner plans again for a
 // CPU peak that much under none's: a second round whose plan fits. The
 // prediction is the one predict_cuda_step_peak makes of that plan by itself.
@@ -280,12 +379,15 @@ TEST(HfModelTest, RegionPlanForACudaBudget) {
   }
 }
 
-// transformers' name of a parameter of our Llama.
-std::string transformers_name(std::string n) {
+// transformers' name of a parameter of our model: GPT-2's are its own under
+// "transformer."; the LLaMA family's attention and MLP sit in self_attn and mlp.
+std::string transformers_name(trainmem::HfArchitecture architecture, std::string n) {
+  if (architecture == trainmem::HfArchitecture::kGPT2) return "transformer." + n;
   if (n.rfind("lm_head.", 0) == 0) return n;
   for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
            {".q_proj.", ".self_attn.q_proj."}, {".k_proj.", ".self_attn.k_proj."},
            {".v_proj.", ".self_attn.v_proj."}, {".o_proj.", ".self_attn.o_proj."},
+           {".q_norm.", ".self_attn.q_norm."}, {".k_norm.", ".self_attn.k_norm."},
            {".gate_proj.", ".mlp.gate_proj."}, {".up_proj.", ".mlp.up_proj."},
            {".down_proj.", ".mlp.down_proj."}}) {
     if (auto at = n.find(from); at != std::string::npos) n.replace(at, from.size(), to);
@@ -293,10 +395,19 @@ std::string transformers_name(std::string n) {
   return "model." + n;
 }
 
+// Must match tests/hf_llama_loss.py's is_norm_weight().
+bool is_norm_weight(const std::string& name) {
+  for (const char* end : {"norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight"}) {
+    if (name.ends_with(end)) return true;
+  }
+  return false;
+}
+
 // Independent check (tests/hf_llama_loss.py runs it with transformers'
-// loss): every parameter filled with the same values as there, by its
-// transformers name (sorted index i: 0.25 sin(0.7 k + i), norms 1 + that),
-// gives transformers' LlamaForCausalLM loss on the same tokens.
+// loss, for GPT-2 and every LLaMA-family architecture): every parameter
+// filled with the same values as there, by its transformers name (sorted
+// index i: 0.25 sin(0.7 k + i), norms 1 + that), gives transformers' causal
+// LM loss on the same tokens.
 TEST(HfModelTest, LlamaLossEqualsTransformers) {
   const char* expected = std::getenv("TRAINMEM_HF_LLAMA_LOSS");
   const char* path = std::getenv("TRAINMEM_HF_CONFIG");
@@ -305,13 +416,15 @@ TEST(HfModelTest, LlamaLossEqualsTransformers) {
   }
   const auto model = trainmem::build_hf_model(trainmem::load_hf_config(path));
   std::vector<std::pair<std::string, at::Tensor>> params;
-  for (const auto& p : model.module->named_parameters()) params.emplace_back(transformers_name(p.key()), p.value());
+  for (const auto& p : model.module->named_parameters()) {
+    params.emplace_back(transformers_name(model.config.architecture, p.key()), p.value());
+  }
   std::sort(params.begin(), params.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& [name, p] = params[i];
-      const bool norm = name.size() >= 16 && (name.ends_with("layernorm.weight") || name == "model.norm.weight");
+      const bool norm = is_norm_weight(name);
       auto k = torch::arange(p.numel(), torch::kDouble);
       auto v = (0.25 * torch::sin(0.7 * k + static_cast<double>(i))).to(torch::kFloat);
       p.copy_((norm ? v + 1.0 : v).view_as(p));

@@ -20,7 +20,8 @@ except ImportError as e:  # optional check
 def hf_count(path):
     with open(path) as f:
         d = json.load(f)
-    cls = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig}[d["model_type"]]
+    cls = getattr(transformers, {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig",
+                                 "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[d["model_type"]])
     config = cls.from_dict(d)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)

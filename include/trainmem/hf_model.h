@@ -1,11 +1,17 @@
 #pragma once
 /// \file hf_model.h
 /// Real architectures from a Hugging Face style `config.json` (a local file;
-/// nothing is downloaded): GPT-2 (`model_type` "gpt2", built as gpt.h's GPT)
-/// and the LLaMA family (`model_type` "llama": RMSNorm, rotary position
-/// embeddings, grouped-query attention through SDPA, SwiGLU MLP). Build them
-/// on the meta device (meta.h's MetaInitGuard) to count and plan them with no
-/// allocation, or on CPU to train them.
+/// nothing is downloaded), each computed op for op as Hugging Face
+/// transformers 5.24.0 computes it (kHfTransformersVersion; CPU, fp32,
+/// attn_implementation "sdpa", dropout 0, a training forward with labels):
+/// the same parameters, and the same tensors saved for backward. GPT-2
+/// (`model_type` "gpt2": GPT2LMHeadModel, Conv1D as addmm, gelu_new, its
+/// attention path) and the LLaMA family: "llama" (RMSNorm, rotary position
+/// embeddings, grouped-query attention through SDPA, SwiGLU MLP), "mistral"
+/// (LLaMA with a sliding window), "qwen2" (q, k, v biases) and "qwen3"
+/// (per-head q and k RMSNorm). Build them on the meta device (meta.h's
+/// MetaInitGuard) to count and plan them with no allocation, or on CPU to
+/// train them.
 ///
 /// Example:
 /// ```
@@ -31,6 +37,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "trainmem/gpt.h"
@@ -40,14 +47,26 @@
 
 namespace trainmem {
 
+/// The transformers release whose modeling code these models follow op for
+/// op ("5.24.0"); tests/hf_saved_bytes.py measures it.
+inline constexpr const char* kHfTransformersVersion = "5.24.0";
+
 /// The architectures a config can name.
 enum class HfArchitecture {
-  kGPT2,  ///< `model_type` "gpt2" (GPT2LMHeadModel)
-  kLlama, ///< `model_type` "llama" (LlamaForCausalLM: LLaMA 1/2/3, TinyLlama, ...)
+  kGPT2,    ///< `model_type` "gpt2" (GPT2LMHeadModel)
+  kLlama,   ///< `model_type` "llama" (LlamaForCausalLM: LLaMA 1/2/3, TinyLlama, ...)
+  kMistral, ///< `model_type` "mistral" (MistralForCausalLM: LLaMA with `sliding_window`)
+  kQwen2,   ///< `model_type` "qwen2" (Qwen2ForCausalLM: LLaMA with q, k, v biases)
+  kQwen3,   ///< `model_type` "qwen3" (Qwen3ForCausalLM: LLaMA with per-head q, k RMSNorm)
 };
 
-/// "gpt2", "llama".
+/// "gpt2", "llama", "mistral", "qwen2", "qwen3".
 std::string to_string(HfArchitecture architecture);
+
+/// transformers' class of the architecture: "GPT2LMHeadModel",
+/// "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+/// "Qwen3ForCausalLM".
+std::string hf_class_name(HfArchitecture architecture);
 
 /// What a config.json says about the model's shape, with Hugging Face's
 /// defaults for the optional keys. Plain data.
@@ -65,8 +84,15 @@ struct HfConfig {
   double norm_eps = 1e-5;            ///< `layer_norm_epsilon` / `rms_norm_eps` (default 1e-6)
   double rope_theta = 10000.0;       ///< `rope_theta` (LLaMA; default 10000)
   bool tie_word_embeddings = true;   ///< `tie_word_embeddings` (GPT-2: true; LLaMA default false)
-  bool attention_bias = false;       ///< `attention_bias` (LLaMA: q, k, v and o projections)
+  bool attention_bias = false;       ///< `attention_bias` (LLaMA, Qwen3: q, k, v and o projections)
   bool mlp_bias = false;             ///< `mlp_bias` (LLaMA: gate, up and down projections)
+  bool qkv_bias = false;             ///< Qwen2: q, k and v projections biased, o not (always)
+  bool qk_norm = false;              ///< Qwen3: RMSNorm over each head of q and k (always)
+  int64_t sliding_window = 0;        ///< Mistral `sliding_window` (default 4096; null: 0, none)
+  bool use_cache = true;             ///< `use_cache` (default true: the forward fills a DynamicCache,
+                                     ///< whose torch.cat copies of k and v attention then reads)
+  std::string activation = "silu";   ///< GPT-2 `activation_function` (default "gelu_new": also
+                                     ///< "gelu", "gelu_pytorch_tanh", "relu"); LLaMA `hidden_act` ("silu")
 };
 
 /// Parses a config.json's text. `source` names it in messages. Throws
@@ -87,9 +113,11 @@ HfConfig parse_hf_config(const std::string& json_text, const std::string& source
 HfConfig load_hf_config(const std::string& path);
 
 /// The parameter count by formula (unique elements; a tied head counts once).
-/// GPT-2: V d + C d + L (12 d^2 + 13 d) + 2 d. LLaMA: V d [embedding] + L (d
+/// GPT-2: V d + C d + L (4 d^2 + 2 d I + 9 d + I) + 2 d (I = 4 d: L (12 d^2
+/// + 13 d)). LLaMA: V d [embedding] + L (d
 /// (H + 2 KV) hd + H hd d [attention] + 3 d I [SwiGLU] + 2 d [norms] + biases)
-/// + d [final norm] + V d [head, unless tied]: 6,738,415,616 for LLaMA-2-7B.
+/// + d [final norm] + V d [head, unless tied]: 6,738,415,616 for LLaMA-2-7B;
+/// Qwen2 adds (H + 2 KV) hd q, k, v biases per layer, Qwen3 2 hd q, k norms.
 int64_t hf_num_params(const HfConfig& config);
 
 /// Shape of a LLaMA-family model (see HfConfig for the keys).
@@ -107,7 +135,105 @@ struct LlamaOptions {
   TORCH_ARG(bool, tie_word_embeddings) = false;
   TORCH_ARG(bool, attention_bias) = false;
   TORCH_ARG(bool, mlp_bias) = false;
+  TORCH_ARG(bool, qkv_bias) = false;       ///< Qwen2: q, k, v biased, o not
+  TORCH_ARG(bool, qk_norm) = false;        ///< Qwen3: q_norm, k_norm over head_dim
+  TORCH_ARG(int64_t, sliding_window) = 0;  ///< Mistral; 0: none
+  TORCH_ARG(bool, use_cache) = true;       ///< k, v copied as DynamicCache::update does
 };
+
+/// Shape of a GPT-2 (GPT2LMHeadModel). Defaults are GPT-2 small.
+struct Gpt2Options {
+  TORCH_ARG(int64_t, vocab_size) = 50257;
+  TORCH_ARG(int64_t, max_positions) = 1024;
+  TORCH_ARG(int64_t, hidden_size) = 768;
+  TORCH_ARG(int64_t, num_layers) = 12;
+  TORCH_ARG(int64_t, num_heads) = 12;
+  TORCH_ARG(int64_t, intermediate_size) = 3072;  ///< `n_inner` (default 4 d)
+  TORCH_ARG(double, layer_norm_eps) = 1e-5;
+  TORCH_ARG(std::string, activation) = "gelu_new";
+  TORCH_ARG(bool, use_cache) = true;             ///< k, v copied as DynamicCache::update does
+};
+
+/// transformers' Conv1D: a linear layer with its weight transposed, (nx, nf),
+/// and a bias (nf), computed as addmm(bias, x.view(-1, nx), weight).
+/// forward: (..., nx) -> (..., nf).
+class Conv1DImpl : public torch::nn::Cloneable<Conv1DImpl>, public Reinitializable {
+ public:
+  explicit Conv1DImpl(int64_t nf = 1, int64_t nx = 1);
+  void reset() override;
+  /// The weight to N(0, 0.02), the bias to zeros.
+  void reset_parameters() override;
+  at::Tensor forward(const at::Tensor& x);
+  int64_t nf, nx;
+  at::Tensor weight; ///< (nx, nf)
+  at::Tensor bias;   ///< (nf)
+};
+TORCH_MODULE(Conv1D);
+
+/// GPT2Attention: c_attn (d -> 3 d), split into q, k, v heads, causal SDPA
+/// (scale hd^-1/2), c_proj. forward: (B, T, d) -> (B, T, d).
+class Gpt2AttentionImpl : public torch::nn::Cloneable<Gpt2AttentionImpl> {
+ public:
+  explicit Gpt2AttentionImpl(Gpt2Options options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+  Gpt2Options options;
+  Conv1D c_attn{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(Gpt2Attention);
+
+/// GPT2MLP: c_fc (d -> I), the activation, c_proj (I -> d).
+class Gpt2MLPImpl : public torch::nn::Cloneable<Gpt2MLPImpl> {
+ public:
+  explicit Gpt2MLPImpl(Gpt2Options options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+  Gpt2Options options;
+  Conv1D c_fc{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(Gpt2MLP);
+
+/// GPT2Block: x + attn(ln_1(x)), then h + mlp(ln_2(h)). forward: (B, T, d)
+/// -> (B, T, d).
+class Gpt2BlockImpl : public torch::nn::Cloneable<Gpt2BlockImpl> {
+ public:
+  explicit Gpt2BlockImpl(Gpt2Options options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+  Gpt2Options options;
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  Gpt2Attention attn{nullptr};
+  Gpt2MLP mlp{nullptr};
+};
+TORCH_MODULE(Gpt2Block);
+
+/// GPT2LMHeadModel: token and position embeddings, L blocks, ln_f, an LM
+/// head tied to wte. Parameter names are transformers' without its
+/// "transformer." prefix. forward: tokens (B, T) int64, T <= max_positions
+/// -> logits (B, T, V).
+class Gpt2Impl : public torch::nn::Cloneable<Gpt2Impl>, public Reinitializable {
+ public:
+  explicit Gpt2Impl(Gpt2Options options = {});
+  void reset() override;
+  /// The embeddings to N(0, 0.02) (transformers' initializer_range).
+  void reset_parameters() override;
+  at::Tensor forward(const at::Tensor& tokens);
+  /// forward with the blocks `plan` names checkpointed.
+  at::Tensor forward(const at::Tensor& tokens, const BlockCheckpointing& plan);
+  /// wte(tokens) + wpe(positions (1, T)).
+  at::Tensor embed(const at::Tensor& tokens);
+  /// ln_f, then the tied head.
+  at::Tensor head(const at::Tensor& h);
+  Gpt2Options options;
+  torch::nn::Embedding wte{nullptr}; ///< (V, d), also the LM head
+  torch::nn::Embedding wpe{nullptr}; ///< (C, d)
+  torch::nn::ModuleList h{nullptr};  ///< L Gpt2Blocks
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  at::Tensor run(const at::Tensor& tokens, const BlockCheckpointing* plan);
+};
+TORCH_MODULE(Gpt2);
 
 /// Root-mean-square LayerNorm as Hugging Face's LlamaRMSNorm computes it:
 /// w * x * rsqrt(mean(x^2, -1) + eps) (the statistics in fp32). forward:
@@ -125,11 +251,15 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public Reinitializ
 };
 TORCH_MODULE(RMSNorm);
 
-/// One LLaMA decoder block: x + o(attn(rope(q), rope(k), v)) over
-/// RMSNorm(x), then h + down(silu(gate(.)) * up(.)) over RMSNorm(h).
-/// Attention is causal SDPA; grouped-query heads are repeated to the query
-/// heads first (Hugging Face's repeat_kv). forward: x (B, T, d), cos and sin
-/// (T, head_dim) -> (B, T, d).
+/// One LLaMA-family decoder block: x + o(attn(rope(q), rope(k), v)) over
+/// RMSNorm(x), then h + down(silu(gate(.)) * up(.)) over RMSNorm(h) (Qwen3:
+/// q and k RMSNormed per head before rope). Attention is causal SDPA as
+/// transformers' sdpa_attention_forward calls it: grouped-query heads go to
+/// SDPA as they are (enable_gqa) where its use_gqa_in_sdpa allows (no mask,
+/// head_dim <= 256, on CPU and CUDA), else they are repeated to the query
+/// heads first (repeat_kv's copy). A sliding window (Mistral) takes a mask
+/// once the sequence reaches it (T >= window): then no enable_gqa and
+/// no is_causal. forward: x (B, T, d), cos and sin (T, head_dim) -> (B, T, d).
 class LlamaBlockImpl : public torch::nn::Cloneable<LlamaBlockImpl> {
  public:
   explicit LlamaBlockImpl(LlamaOptions options = {});
@@ -139,6 +269,7 @@ class LlamaBlockImpl : public torch::nn::Cloneable<LlamaBlockImpl> {
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  ///< Qwen3 only (over head_dim)
 };
 TORCH_MODULE(LlamaBlock);
 
@@ -168,13 +299,19 @@ class LlamaImpl : public torch::nn::Cloneable<LlamaImpl>, public Reinitializable
 };
 TORCH_MODULE(Llama);
 
-/// The LlamaOptions of a LLaMA config. Throws if `config` is not one.
+/// The LlamaOptions of a LLaMA-family config (llama, mistral, qwen2, qwen3).
+/// Throws if `config` is GPT-2.
 LlamaOptions llama_options(const HfConfig& config);
-/// The GPTOptions of a GPT-2 config. Throws if `config` is not one.
+/// The Gpt2Options of a GPT-2 config. Throws if `config` is not one.
+Gpt2Options gpt2_options(const HfConfig& config);
+/// The GPTOptions (gpt.h) of a GPT-2 config's shape, for trainmem's own GPT
+/// (which build_hf_model no longer uses: its MLP and attention save less
+/// than transformers' GPT-2). Throws if `config` is not GPT-2 or its MLP is
+/// not 4 d.
 GPTOptions gpt_options(const HfConfig& config);
 
-/// A causal LM built from a config: the module (GPTImpl or LlamaImpl) and its
-/// forward and loss.
+/// A causal LM built from a config: the module (Gpt2Impl or LlamaImpl) and
+/// its forward and loss.
 struct HfModel {
   HfConfig config;
   std::shared_ptr<torch::nn::Module> module;
@@ -203,10 +340,10 @@ struct HfModel {
 HfModel build_hf_model(const HfConfig& config);
 
 /// `model`'s training step as plan_regions() sees it: the embedding (GPT-2:
-/// token + position), one region per block, and the final norm with the LM
-/// head; the input is `batch` x `seq_len` tokens (zeros), the loss is the
-/// causal-LM cross-entropy of HfModel::loss (labels of the same shape, the
-/// last position ignored). A LLaMA block's region makes its own rotary cos
+/// token + position), one region per block ("h.i": Gpt2Block; "layers.i":
+/// LlamaBlock), and the final norm with the LM head; the input is `batch` x
+/// `seq_len` tokens (zeros), the loss is the causal-LM cross-entropy of
+/// HfModel::loss (labels of the same shape, the last position ignored). A LLaMA block's region makes its own rotary cos
 /// and sin ((T, head_dim) each, which its backward keeps), where
 /// LlamaImpl::forward shares one pair: the plan counts what run_regions()
 /// runs. No optimizer is set (add one, or `make_optimizer`). Throws if

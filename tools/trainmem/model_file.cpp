@@ -25,7 +25,7 @@ namespace trainmem::cli {
 
 void add_model_file_flags(CLI::App& sub, ModelFileFlags& f) {
   sub.add_option("--model", f.path,
-                 "a Hugging Face style config.json (gpt2 or llama): estimate that model instead "
+                 "a Hugging Face style config.json (gpt2, llama, mistral, qwen2 or qwen3, as transformers 5.24.0 computes them): estimate that model instead "
                  "(--batch and --seq-len give its micro-batch)");
   sub.add_option("--ranks", f.ranks, "data-parallel ranks the static bytes are split over (with --model)")
       ->capture_default_str();
@@ -59,10 +59,13 @@ HfConfig load_config(const std::string& path, int64_t batch, int64_t seq_len) {
 }
 
 std::string describe(const HfConfig& config, const std::string& path) {
-  return fmt::format("{} from {}: {} layers, hidden {}, {} heads ({} key-value), MLP {}, vocab {}{}",
+  return fmt::format("{} from {}: {} layers, hidden {}, {} heads ({} key-value), MLP {}, vocab {}{}{}; "
+                     "as transformers {}'s {}",
                      to_string(config.architecture), path, config.num_layers, config.hidden_size, config.num_heads,
                      config.num_kv_heads, config.intermediate_size, config.vocab_size,
-                     config.tie_word_embeddings ? ", tied head" : "");
+                     config.tie_word_embeddings ? ", tied head" : "",
+                     config.sliding_window > 0 ? fmt::format(", sliding window {}", config.sliding_window) : "",
+                     kHfTransformersVersion, hf_class_name(config.architecture));
 }
 
 } // namespace
@@ -118,7 +121,11 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                   {"num_kv_heads", config.num_kv_heads},
                   {"intermediate_size", config.intermediate_size},
                   {"max_positions", config.max_positions},
-                  {"tie_word_embeddings", config.tie_word_embeddings}};
+                  {"tie_word_embeddings", config.tie_word_embeddings},
+                  {"sliding_window", config.sliding_window},
+                  {"use_cache", config.use_cache},
+                  {"follows", fmt::format("transformers {} {}", kHfTransformersVersion,
+                                          hf_class_name(config.architecture))}};
     j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
     j["sharding"] = {{"zero_stage", f.zero}, {"world_size", f.ranks}, {"largest_layer_params", largest}};
     j["num_params"] = num_params;

@@ -262,7 +262,7 @@ void add_plan_command(CLI::App& app) {
       ->check(CLI::IsMember({"allocated", "reserved"}))
       ->capture_default_str();
   sub->add_option("--model", f->model_file,
-                  "a Hugging Face style config.json (gpt2 or llama): plan that model on meta instead "
+                  "a Hugging Face style config.json (gpt2, llama, mistral, qwen2 or qwen3, as transformers 5.24.0 computes them): plan that model on meta instead "
                   "(--batch and --seq-len give its micro-batch)");
   sub->add_flag("--run", f->run_model, "with --model: also build it on CPU and run one step under the plan");
   sub->callback([f] { run(*f); });
