@@ -350,17 +350,27 @@ CudaStepPrediction predict_cuda_step_peak(
   std::vector<TraceEvent> events;
   CudaKernelModel kernels(options, options.workspaces());
   std::vector<StepMarks> marks;
+  at::Tensor forward_output;  // forward_only: alive past the trace's end
   auto& trace = TraceAllocator::get();
   trace.start(&events);
   try {
     detail::InterceptScope scope(kernels);
-    for (int step = 0; step < (optimizer != nullptr ? 2 : 1); ++step) {
+    const bool warm_up = optimizer != nullptr && !options.first_step() && !options.forward_only();
+    for (int step = 0; step < (warm_up ? 2 : 1); ++step) {
       StepMarks m;
       for (auto& p : module.parameters()) {
         p.mutable_grad().reset();  // zero_grad(set_to_none=True)
       }
       m.begin = events.size();
       at::Tensor loss = loss_fn();
+      if (options.forward_only()) {
+        TORCH_CHECK(loss.defined() && loss.is_meta(),
+                    "predict_cuda_step_peak: loss_fn must return a meta tensor");
+        forward_output = std::move(loss);
+        m.backward = m.optimizer = m.end = events.size();
+        marks.push_back(m);
+        break;
+      }
       TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.is_meta(),
                   "predict_cuda_step_peak: loss_fn must return a scalar meta tensor, but got ",
                   loss.defined() ? loss.sizes() : at::IntArrayRef{});
@@ -447,14 +457,39 @@ CudaStepPrediction predict_cuda_step_peak(
   int64_t peak = model.stats().allocated_bytes;
   size_t peak_index = m.begin;
   std::unordered_map<uint64_t, Live> live_at_peak = live;
+  // The snapshot's series: requested sizes, and each rounded up to 512 B.
+  auto round512 = [](int64_t b) { return b < 512 ? int64_t{512} : (b + 511) / 512 * 512; };
+  int64_t requested = 0;
+  int64_t rounded = 0;
+  for (const auto& [id, l] : live) {
+    requested += l.requested;
+    rounded += round512(l.requested);
+  }
+  r.max_requested_bytes = requested;
+  r.max_rounded_requested_bytes = rounded;
   for (size_t i = m.begin; i < m.end; ++i) {
-    apply(events[i]);
+    const auto& e = events[i];
+    if (e.bytes < 0) {
+      auto it = live.find(e.id);
+      if (it != live.end()) {
+        requested -= it->second.requested;
+        rounded -= round512(it->second.requested);
+      }
+    }
+    apply(e);
+    if (e.bytes > 0 && live.count(e.id) != 0) {
+      requested += e.bytes;
+      rounded += round512(e.bytes);
+    }
+    r.max_requested_bytes = std::max(r.max_requested_bytes, requested);
+    r.max_rounded_requested_bytes = std::max(r.max_rounded_requested_bytes, rounded);
     if (model.stats().allocated_bytes > peak) {
       peak = model.stats().allocated_bytes;
       peak_index = i;
       live_at_peak = live;
     }
   }
+  forward_output = at::Tensor();
   const auto s = model.stats();
   r.max_memory_allocated_bytes = s.peak_allocated_bytes;
   r.max_memory_reserved_bytes = s.peak_reserved_bytes;
