@@ -44,8 +44,17 @@ void Cs336LinearImpl::reset() {
   trunc_normal(weight, std::sqrt(2.0 / static_cast<double>(d_in_ + d_out_)));
 }
 
+// Note [einsum across LibTorch versions]
+// The run wrote the weight first, einsum("oi,...i->...o", W, x) (the frames
+// show it: the weight's gradient comes out of bmm without the clone
+// AccumulateGrad makes of a transposed one). Torch 2.6, which recorded it,
+// contracts that as bmm(W (1, o, i), x^T (1, i, N)) and permutes the (o, N)
+// result into a transposed (..., o) view; LibTorch 2.7+ swaps the operands of
+// such a pair (sumproduct_pair's swap_lo_ro) into bmm(x, W^T), whose weight
+// gradient is transposed and cloned. Asking for the output as "o..." keeps
+// 2.6's order in every version; movedim makes the same view 2.6 returned.
 at::Tensor Cs336LinearImpl::forward(const at::Tensor& x) {
-  return at::einsum("...i,oi->...o", {x, weight});
+  return at::einsum("oi,...i->o...", {weight, x}).movedim(0, -1);
 }
 
 // ---- Embedding (transformer.py:39: weight[token_ids]) ----
