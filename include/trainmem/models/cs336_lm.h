@@ -29,7 +29,9 @@
 /// ```
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -80,8 +82,9 @@ class Cs336EmbeddingImpl : public torch::nn::Cloneable<Cs336EmbeddingImpl> {
 };
 TORCH_MODULE(Cs336Embedding);
 
-/// RMSNorm: `norm = ||x||_2` over the last dim (keepdim), `rms = sqrt(norm^2 /
-/// d + eps)`, `x / rms * weight`.
+/// RMSNorm: `x` upcast to float32, `norm = ||x||_2` over the last dim
+/// (keepdim), `rms = sqrt(norm^2 / d + eps)`, `einsum("d,...d->...d", weight,
+/// x / rms)`, cast back to the input's dtype.
 class Cs336RMSNormImpl : public torch::nn::Cloneable<Cs336RMSNormImpl> {
  public:
   Cs336RMSNormImpl(int64_t d_model, double eps);
@@ -137,7 +140,9 @@ class Cs336SwiGLUImpl : public torch::nn::Cloneable<Cs336SwiGLUImpl> {
 };
 TORCH_MODULE(Cs336SwiGLU);
 
-/// Pre-norm block: `x + attn(ln1(x))`, then `x + ffn(ln2(x))`.
+/// Pre-norm block: `h = ln1(x); h = attn(h); x = x + h; h = ln2(x); h =
+/// ffn(h); x + h` (one local `h`, so each sublayer's input dies when the next
+/// is assigned, unless autograd saved it).
 class Cs336BlockImpl : public torch::nn::Cloneable<Cs336BlockImpl> {
  public:
   explicit Cs336BlockImpl(const Cs336Options& o);
@@ -216,6 +221,26 @@ class Cs336AdamW : public torch::optim::Optimizer {
   at::Tensor step(LossClosure closure = nullptr) override;
 };
 
+/// Thread-local RAII region that runs this model's ops as
+/// `torch.autocast(device_type="cuda", dtype)` runs them on CUDA, for meta
+/// tensors (which autocast does not see): einsum's operands cast to `dtype`
+/// (a parameter once, kept in the region's cache until the region ends),
+/// exp, sum, log, pow and the norm in float32. Only the ops this file's model,
+/// loss and optimizer call; regions nest.
+class Cs336Autocast {
+ public:
+  explicit Cs336Autocast(at::ScalarType dtype = at::kBFloat16);
+  ~Cs336Autocast();
+  Cs336Autocast(const Cs336Autocast&) = delete;
+  Cs336Autocast& operator=(const Cs336Autocast&) = delete;
+  at::ScalarType dtype() const { return dtype_; }
+  /// The cast parameters, by the parameter's TensorImpl.
+  std::unordered_map<const void*, at::Tensor> cache_;
+ private:
+  at::ScalarType dtype_;
+  Cs336Autocast* previous_;
+};
+
 /// What a recording covers.
 enum class Cs336Run {
   kForward,   ///< `logits = model(inputs)`, kept alive
@@ -230,8 +255,10 @@ enum class Cs336Run {
 /// the recorded step), forward_only for kForward. `cuda` gives the
 /// allocator settings and workspace sizes (the recording's H100:
 /// kCublasWorkspaceHopperBytes); its resident, first_step and forward_only
-/// are set here.
+/// are set here. `autocast`: the run inside `torch.autocast(dtype)` (the
+/// *_mixed recordings: bfloat16), emulated with Cs336Autocast.
 CudaStepPrediction predict_cs336_run(const Cs336Options& model, Cs336Run run, int64_t batch_size = 4,
-                                     CudaPredictOptions cuda = {});
+                                     CudaPredictOptions cuda = {},
+                                     std::optional<at::ScalarType> autocast = std::nullopt);
 
 } // namespace trainmem
