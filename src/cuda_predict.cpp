@@ -100,6 +100,26 @@ class TraceAllocator final : public c10::Allocator {
     }
   }
 
+  // Note [Meta storages that grow]
+  // A meta storage grows without the allocator (resize_bytes_meta only sets
+  // its size): an op that makes its output with empty({0}) and resizes it
+  // (arange, the out= ops) would leave the trace with 0 bytes, where CUDA's
+  // resize_bytes_cuda allocates the new size (and frees the old block). A
+  // traced storage now larger than its traced allocation gets a traced
+  // allocation of its size; the old one is freed with it.
+  void trace_growth(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage() || !t.is_meta()) {
+      return;
+    }
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    const auto& dp = storage->data_ptr();
+    if (dp.get_deleter() != &free_context ||
+        static_cast<int64_t>(storage->nbytes()) <= static_cast<const Context*>(dp.get_context())->bytes) {
+      return;
+    }
+    storage->set_data_ptr_noswap(allocate(storage->nbytes()));
+  }
+
   // The trace id of a storage allocated while recording, or 0.
   static uint64_t id_of(const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) {
@@ -165,7 +185,8 @@ namespace {
 // Note [CUDA kernels on meta]
 // Below autograd (the one interception key, Note [One interception key]) this
 // handler sees each op of a predicted step and adds what the CUDA kernel
-// would allocate beyond its outputs:
+// would allocate beyond its outputs (and the outputs a meta kernel grows
+// without allocating, Note [Meta storages that grow]):
 // - matmuls (mm, addmm, bmm, baddbmm): a contiguous clone of each operand
 //   cuBLAS cannot read in place (cublas_operand_copy_bytes), freed when the
 //   op returns; the first matmul of a thread makes that thread's cuBLAS
@@ -183,6 +204,34 @@ class CudaKernelModel final : public detail::InterceptHandler {
 
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
+    // Note [Meta storages that grow]: the tensors the op writes or returns.
+    const auto& args = op.schema().arguments();
+    std::vector<at::Tensor> written;
+    for (size_t i = 0; i < args.size(); ++i) {
+      const auto* alias = args[i].alias_info();
+      const auto& v = (*stack)[stack->size() - args.size() + i];
+      if (alias != nullptr && alias->isWrite() && v.isTensor()) {
+        written.push_back(v.toTensor());
+      }
+    }
+    run(scope, op, ks, stack);
+    auto& trace = TraceAllocator::get();
+    for (const auto& t : written) {
+      trace.trace_growth(t);
+    }
+    const size_t num_returns = std::min(op.schema().returns().size(), stack->size());
+    for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+      if ((*stack)[i].isTensor()) {
+        trace.trace_growth((*stack)[i].toTensor());
+      }
+    }
+  }
+
+  const CudaWorkspaces& workspaces() const { return ws_; }
+
+ private:
+  void run(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+           torch::jit::Stack* stack) {
     const auto& schema = op.schema();
     if (!schema.overload_name().empty()) {
       scope.call_next(op, ks, stack);
@@ -243,9 +292,6 @@ class CudaKernelModel final : public detail::InterceptHandler {
     }
   }
 
-  const CudaWorkspaces& workspaces() const { return ws_; }
-
- private:
   void flash_attention(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                        torch::jit::Stack* stack, size_t n) {
     const at::Tensor q = (*stack)[stack->size() - n].toTensor();
