@@ -3,7 +3,7 @@
 // torch 2.6 on an H100, batch 4) and compares with what they recorded.
 //
 // The recorded figures are constants here, measured with
-// tools/cs336_recorded.py (Python, pickle.load) and trainmem's
+// tests/cs336_recorded.py (Python, pickle.load) and trainmem's
 // replay_snapshot(); the predictions need no pickle. When the pickles are in
 // $TRAINMEM_SNAPSHOT_DIR/cs336/ (default: the CMake cache variable
 // TRAINMEM_SNAPSHOT_DIR), RecordedFiguresAreTheSnapshots re-measures the
@@ -22,14 +22,17 @@
 // On LibTorch 2.13 every forward figure is predicted to the byte, and the
 // full steps' allocated and requested too. The full steps' reserved and
 // blocks differ by what the CUDA kernels allocate for themselves and meta
-// kernels do not: the reductions' global scratch buffers (gpu_reduce_kernel:
-// the cross-entropy's max over the vocabulary 164,626,432 B, its sum
-// 41,156,608 B, the 65 RMSNorm gain gradients' sums 10,485,760 B each, 132
-// in all, each freed at once) and cub's radix sort (2 x 1 B, in index_put_).
-// They never raise the allocated peak, but they shape the segments: the
-// ctx 128 recording replayed without them gives reserved 61,123,592,192 B and
-// blocks 55,079,361,024 B, exactly the prediction (reserved +0.02 %, blocks
-// +0.0007 % over the recording). No cuBLAS workspace, autocast cache or
+// kernels do not: the reductions' global scratch (gpu_reduce_kernel: 67
+// buffers, each with a 16 B semaphore: the cross-entropy's max over the
+// vocabulary 164,626,432 B, its sum 41,156,608 B, the 65 RMSNorm gain
+// gradients' sums 10,485,760 B each) and cub's radix sort (2 x 1 B, in
+// index_put_): 136 allocations, each freed at once. They never raise the
+// allocated peak, but they shape the segments: the ctx 128 recording
+// replayed without them (tests/cs336_recorded.py --without-kernel-scratch,
+// then trainmem snapshot) gives reserved 61,123,592,192 B and blocks
+// 55,079,361,024 B, exactly the prediction (reserved +0.02 %, blocks
+// +0.0007 % over the recording). Their sizes follow the reduction's launch
+// configuration on the device (its SM count), which trainmem does not model. No cuBLAS workspace, autocast cache or
 // optimizer temporary differs: the workspaces (32 MiB on the forward thread
 // and on the backward thread, Hopper's :4096:8), autocast's bf16 weight
 // cache (6.81 GB in the mixed forward) and AdamW's two temporaries per

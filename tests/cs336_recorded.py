@@ -12,7 +12,12 @@ and prints, from the point recording starts:
 and what is live at the allocated peak, grouped by the innermost Python
 frame of the run's own code (or "before recording").
 
-Usage: tools/cs336_recorded.py FILE.pickle... [--layer]
+Usage: tests/cs336_recorded.py FILE.pickle... [--layer]
+       tests/cs336_recorded.py --without-kernel-scratch IN.pickle OUT.pickle
+The second form writes IN without the CUDA kernels' own scratch allocations
+(reductions' gpu_reduce_kernel global buffers and semaphores, cub's radix
+sort), which meta kernels do not make: replaying OUT (trainmem snapshot OUT)
+gives what a prediction on meta can match.
 The figures it prints are those asserted in tests/cs336_predict_test.cpp.
 
 What the recordings cover (benchmark.py's run_memory_foward_fullstep, in a
@@ -29,19 +34,29 @@ the author's own assignment 1 (not public), whose ops the frames' aten ops
 and sizes show (RMSNorm through linalg_vector_norm, softmax through max /
 exp / sum / div, one RoPE table per layer, einsum for every matmul).
 
-Measured (ctx 128; B = bytes):
-  memory_ctx128_forward.pickle (== memory_ctx128_forward_.pickle's figures)
+Measured (bytes; "blocks" is max_memory_allocated of the recording replayed
+by trainmem's replay_snapshot(), which the trace alone cannot give):
+  memory_files/memory_ctx128_forward.pickle (in the snapshot dir as
+  files_memory_ctx128_forward.pickle; memory_ctx128_forward_.pickle has the
+  same figures)
     start allocated 13,628,553,216  peak allocated 19,352,504,320 (= requested)
     start reserved  13,763,608,576  peak reserved  19,667,091,456
-  memory_ctx128_forward_mixed.pickle
-    start allocated 13,628,553,216  peak allocated 23,873,313,792 (= requested)
-    start reserved  13,763,608,576  peak reserved  24,245,174,272
-  memory_ctx128_fullstep.pickle (fresh allocator; the _ variant ran after
-  the forward runs: +32 MiB cuBLAS workspace live, 430 cached segments
-  freed by empty_cache, same peaks)
-    start allocated 13,628,553,216  peak allocated 54,802,668,032
-    peak requested  54,802,667,524
-    start reserved  13,763,608,576  peak reserved  61,111,009,280
+    blocks 19,498,420,224
+  memory_files/memory_ctx128_forward_mixed.pickle
+    peak allocated 23,873,313,792 (= requested)  peak reserved 24,245,174,272
+    blocks 24,024,505,344
+  memory_files/memory_ctx128_fullstep.pickle (fresh allocator; the _ variant
+  ran after the forward runs: +32 MiB cuBLAS workspace live, 430 cached
+  segments freed by empty_cache, same peaks)
+    peak allocated 54,802,668,032  peak requested 54,802,667,524
+    peak reserved  61,111,009,280  blocks 55,079,000,576
+  ctx 256 / 512 (the _ files, after earlier runs in the same process):
+    forward_       26,252,175,360 / 43,675,396,096  reserved 26,545,750,016 / 44,715,474,944
+    forward_mixed  28,262,939,648 / 39,860,763,648  reserved 28,848,422,912 / 40,514,879,488
+    fullstep_      54,824,462,848 / 54,868,052,480  reserved (cache before the trace) / 62,830,673,920
+  cs336_systems/memory_logs/memory_ctx128_forward.pickle (in the snapshot dir
+  as memory_ctx128_forward.pickle) is another run: torch.compile'd (Inductor
+  kernels), peak allocated 17,602,723,840, reserved 17,878,220,800.
 """
 import collections
 import pickle
@@ -150,7 +165,37 @@ def analyse(path, show_layer=False):
     return out, s
 
 
+def without_kernel_scratch(src, dst):
+    """Writes src's snapshot without the kernels' scratch allocations."""
+    s = pickle.load(open(src, 'rb'))
+    trace = s['device_traces'][0]
+
+    def scratch(frames):
+        return any('gpu_reduce_kernel' in f.get('name', '') or 'radix_sort_pairs' in f.get('name', '')
+                   for f in frames)
+
+    live, kept, dropped = set(), [], 0
+    for e in trace:
+        a = e['action']
+        if a == 'alloc' and scratch(e.get('frames', [])):
+            live.add(e['addr'])
+            dropped += 1
+            continue
+        if a in ('free_requested', 'free_completed') and e['addr'] in live:
+            if a == 'free_completed':
+                live.discard(e['addr'])
+            continue
+        kept.append(e)
+    s['device_traces'][0] = kept
+    with open(dst, 'wb') as f:
+        pickle.dump(s, f, protocol=4)
+    print('%s: %d of %d events kept, %d scratch allocations dropped' % (dst, len(kept), len(trace), dropped))
+
+
 def main(argv):
+    if argv and argv[0] == '--without-kernel-scratch':
+        without_kernel_scratch(argv[1], argv[2])
+        return
     show_layer = '--layer' in argv
     for path in [a for a in argv if not a.startswith('--')]:
         o, s = analyse(path, show_layer)
