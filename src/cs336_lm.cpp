@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -377,6 +379,38 @@ at::Tensor Cs336AdamW::step(LossClosure closure) {
     }
   }
   return loss;
+}
+
+// ---- Regions for the planner ----
+
+RegionModel cs336_region_model(const Cs336TransformerLM& model, int64_t batch_size) {
+  TORCH_CHECK(model.ptr() != nullptr, "cs336_region_model: no model");
+  TORCH_CHECK(batch_size >= 1, "cs336_region_model: expected a batch >= 1, but got ", batch_size);
+  using Modules = std::vector<std::shared_ptr<torch::nn::Module>>;
+  auto lm = model.ptr();
+  RegionModel m;
+  m.regions.emplace_back(
+      "token_embeddings", [lm](const at::Tensor& tokens) { return lm->token_embeddings->forward(tokens); },
+      Modules{lm->token_embeddings.ptr()});
+  for (size_t i = 0; i < lm->layers->size(); ++i) {
+    auto block = std::dynamic_pointer_cast<Cs336BlockImpl>(lm->layers->ptr(i));
+    m.regions.emplace_back(
+        "layers." + std::to_string(i), [block](const at::Tensor& h) { return block->forward(h); }, Modules{block});
+  }
+  m.regions.emplace_back(
+      "head", [lm](const at::Tensor& h) { return lm->lm_head->forward(lm->ln_final->forward(h)); },
+      Modules{lm->ln_final.ptr(), lm->lm_head.ptr()});
+  const int64_t context = lm->options().context_length();
+  m.input = [batch_size, context](c10::Device device) {
+    return at::zeros({batch_size, context}, at::TensorOptions().dtype(at::kLong).device(device));
+  };
+  m.loss = [](const at::Tensor& logits) {
+    return cs336_cross_entropy(logits, at::zeros({logits.size(0), logits.size(1)}, logits.options().dtype(at::kLong)));
+  };
+  m.make_optimizer = [](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<Cs336AdamW>(std::move(params));
+  };
+  return m;
 }
 
 // ---- The recorded runs ----

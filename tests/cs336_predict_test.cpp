@@ -63,6 +63,7 @@
 #include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
 #include "trainmem/models/cs336_lm.h"
+#include "trainmem/planner.h"
 #include "trainmem/snapshot.h"
 
 #ifndef TRAINMEM_SNAPSHOT_DIR
@@ -230,6 +231,25 @@ TEST(Cs336PredictTest, RecordedFiguresAreTheSnapshots) {
   }
 }
 
+// The region model plans the 2.7B step against a CUDA budget (on meta): the
+// static bytes alone (parameters, gradients, AdamW's m and v: 54.5 GB) leave
+// room for the activations under 60 GB, so the plan fits.
+TEST(Cs336PredictTest, RegionModelPlansTheStep) {
+  trainmem::Cs336TransformerLM model{nullptr};
+  {
+    trainmem::MetaInitGuard meta;
+    model = trainmem::Cs336TransformerLM(Cs336Options());
+  }
+  const auto m = trainmem::cs336_region_model(model, 4);
+  ASSERT_EQ(m.regions.size(), 34u);
+  const auto r = trainmem::plan_regions_cuda(
+      m, *model, trainmem::PlanOptions().budget_bytes(int64_t{60} << 30), trainmem::CudaBudgetKind::kAllocated,
+      trainmem::CudaPredictOptions().cublas_workspace_bytes(trainmem::kCublasWorkspaceHopperBytes));
+  EXPECT_TRUE(r.feasible);
+  EXPECT_GT(r.cuda.max_memory_allocated_bytes, 4 * int64_t{13627238400});
+  EXPECT_LE(r.cuda.max_memory_allocated_bytes, int64_t{60} << 30);
+}
+
 // The model, its loss and its AdamW run on CPU too (a small configuration):
 // a step changes the parameters and makes the state.
 TEST(Cs336PredictTest, SmallModelTrainsOnCpu) {
@@ -250,6 +270,10 @@ TEST(Cs336PredictTest, SmallModelTrainsOnCpu) {
     opt.step();
   }
   EXPECT_LT(last, first);
+  // Its regions compute the same logits.
+  const auto regions = trainmem::cs336_region_model(model, 2);
+  EXPECT_TRUE(torch::allclose(trainmem::run_regions(regions.regions, tokens, trainmem::BlockCheckpointing::none(4)),
+                              model->forward(tokens)));
   EXPECT_FALSE(torch::equal(before, model->lm_head->weight));
   // Cross-entropy agrees with LibTorch's.
   const auto logits = model->forward(tokens);

@@ -43,6 +43,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "trainmem/cuda_predict.h"
+#include "trainmem/planner.h"
 
 namespace trainmem {
 
@@ -240,6 +241,19 @@ class Cs336Autocast {
   at::ScalarType dtype_;
   Cs336Autocast* previous_;
 };
+
+/// The model as regions for the planner (planner.h): `token_embeddings`,
+/// `layers.0` ... `layers.31` (one block each), `head` (ln_final, lm_head);
+/// input: `batch` x context zero tokens; loss: cs336_cross_entropy against
+/// them; optimizer: Cs336AdamW (make_optimizer). `model` may be on meta.
+///
+/// Example:
+/// ```
+/// auto m = trainmem::cs336_region_model(model, 4);
+/// auto plan = trainmem::plan_regions_cuda(m, *model, trainmem::PlanOptions().budget_bytes(40LL << 30),
+///                                         trainmem::CudaBudgetKind::kAllocated);
+/// ```
+RegionModel cs336_region_model(const Cs336TransformerLM& model, int64_t batch_size);
 
 /// What a recording covers.
 enum class Cs336Run {
