@@ -45,7 +45,7 @@ at::Tensor autocast_lower(const at::Tensor& t) {
     return t;
   }
   if (t.is_leaf() && t.requires_grad()) {
-    auto& cached = t_autocast->cache_[t.unsafeGetTensorImpl()];
+    auto& cached = t_autocast->cached(t);
     if (!cached.defined()) {
       cached = t.to(t_autocast->dtype());
     }

@@ -192,7 +192,7 @@ at::Tensor cs336_cross_entropy(const at::Tensor& logits, const at::Tensor& targe
 /// The run's AdamW hyper-parameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8,
 /// weight decay 0.01).
 struct Cs336AdamWOptions : public torch::optim::OptimizerCloneableOptions<Cs336AdamWOptions> {
-  Cs336AdamWOptions(double lr = 1e-4) : lr_(lr) {}
+  Cs336AdamWOptions(double lr = 1e-4) : lr_(lr) {}  // NOLINT(google-explicit-constructor): as AdamWOptions
   TORCH_ARG(double, lr) = 1e-4;
   TORCH_ARG(double, beta1) = 0.9;
   TORCH_ARG(double, beta2) = 0.95;
@@ -235,9 +235,10 @@ class Cs336Autocast {
   Cs336Autocast(const Cs336Autocast&) = delete;
   Cs336Autocast& operator=(const Cs336Autocast&) = delete;
   at::ScalarType dtype() const { return dtype_; }
-  /// The cast parameters, by the parameter's TensorImpl.
-  std::unordered_map<const void*, at::Tensor> cache_;
+  /// The region's cast of `param` (undefined until made).
+  at::Tensor& cached(const at::Tensor& param) { return cache_[param.unsafeGetTensorImpl()]; }
  private:
+  std::unordered_map<const void*, at::Tensor> cache_;  // by the parameter's TensorImpl
   at::ScalarType dtype_;
   Cs336Autocast* previous_;
 };
