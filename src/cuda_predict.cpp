@@ -100,6 +100,26 @@ class TraceAllocator final : public c10::Allocator {
     }
   }
 
+  // Note [Meta storages that grow]
+  // A meta storage grows without the allocator (resize_bytes_meta only sets
+  // its size): an op that makes its output with empty({0}) and resizes it
+  // (arange, the out= ops) would leave the trace with 0 bytes, where CUDA's
+  // resize_bytes_cuda allocates the new size (and frees the old block). A
+  // traced storage now larger than its traced allocation gets a traced
+  // allocation of its size; the old one is freed with it.
+  void trace_growth(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage() || !t.is_meta()) {
+      return;
+    }
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    const auto& dp = storage->data_ptr();
+    if (dp.get_deleter() != &free_context ||
+        static_cast<int64_t>(storage->nbytes()) <= static_cast<const Context*>(dp.get_context())->bytes) {
+      return;
+    }
+    storage->set_data_ptr_noswap(allocate(storage->nbytes()));
+  }
+
   // The trace id of a storage allocated while recording, or 0.
   static uint64_t id_of(const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) {
@@ -165,7 +185,8 @@ namespace {
 // Note [CUDA kernels on meta]
 // Below autograd (the one interception key, Note [One interception key]) this
 // handler sees each op of a predicted step and adds what the CUDA kernel
-// would allocate beyond its outputs:
+// would allocate beyond its outputs (and the outputs a meta kernel grows
+// without allocating, Note [Meta storages that grow]):
 // - matmuls (mm, addmm, bmm, baddbmm): a contiguous clone of each operand
 //   cuBLAS cannot read in place (cublas_operand_copy_bytes), freed when the
 //   op returns; the first matmul of a thread makes that thread's cuBLAS
@@ -183,6 +204,34 @@ class CudaKernelModel final : public detail::InterceptHandler {
 
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
+    // Note [Meta storages that grow]: the tensors the op writes or returns.
+    const auto& args = op.schema().arguments();
+    std::vector<at::Tensor> written;
+    for (size_t i = 0; i < args.size(); ++i) {
+      const auto* alias = args[i].alias_info();
+      const auto& v = (*stack)[stack->size() - args.size() + i];
+      if (alias != nullptr && alias->isWrite() && v.isTensor()) {
+        written.push_back(v.toTensor());
+      }
+    }
+    run(scope, op, ks, stack);
+    auto& trace = TraceAllocator::get();
+    for (const auto& t : written) {
+      trace.trace_growth(t);
+    }
+    const size_t num_returns = std::min(op.schema().returns().size(), stack->size());
+    for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+      if ((*stack)[i].isTensor()) {
+        trace.trace_growth((*stack)[i].toTensor());
+      }
+    }
+  }
+
+  const CudaWorkspaces& workspaces() const { return ws_; }
+
+ private:
+  void run(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+           torch::jit::Stack* stack) {
     const auto& schema = op.schema();
     if (!schema.overload_name().empty()) {
       scope.call_next(op, ks, stack);
@@ -243,9 +292,6 @@ class CudaKernelModel final : public detail::InterceptHandler {
     }
   }
 
-  const CudaWorkspaces& workspaces() const { return ws_; }
-
- private:
   void flash_attention(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                        torch::jit::Stack* stack, size_t n) {
     const at::Tensor q = (*stack)[stack->size() - n].toTensor();
@@ -351,17 +397,27 @@ CudaStepPrediction predict_cuda_step_peak(
   std::vector<TraceEvent> events;
   CudaKernelModel kernels(options, options.workspaces());
   std::vector<StepMarks> marks;
+  at::Tensor forward_output;  // forward_only: alive past the trace's end
   auto& trace = TraceAllocator::get();
   trace.start(&events);
   try {
     detail::InterceptScope scope(kernels);
-    for (int step = 0; step < (optimizer != nullptr ? 2 : 1); ++step) {
+    const bool warm_up = optimizer != nullptr && !options.first_step() && !options.forward_only();
+    for (int step = 0; step < (warm_up ? 2 : 1); ++step) {
       StepMarks m;
       for (auto& p : module.parameters()) {
         p.mutable_grad().reset();  // zero_grad(set_to_none=True)
       }
       m.begin = events.size();
       at::Tensor loss = loss_fn();
+      if (options.forward_only()) {
+        TORCH_CHECK(loss.defined() && loss.is_meta(),
+                    "predict_cuda_step_peak: loss_fn must return a meta tensor");
+        forward_output = std::move(loss);
+        m.backward = m.optimizer = m.end = events.size();
+        marks.push_back(m);
+        break;
+      }
       TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.is_meta(),
                   "predict_cuda_step_peak: loss_fn must return a scalar meta tensor, but got ",
                   loss.defined() ? loss.sizes() : at::IntArrayRef{});
@@ -448,14 +504,39 @@ CudaStepPrediction predict_cuda_step_peak(
   int64_t peak = model.stats().allocated_bytes;
   size_t peak_index = m.begin;
   std::unordered_map<uint64_t, Live> live_at_peak = live;
+  // The snapshot's series: requested sizes, and each rounded up to 512 B.
+  auto round512 = [](int64_t b) { return b < 512 ? int64_t{512} : (b + 511) / 512 * 512; };
+  int64_t requested = 0;
+  int64_t rounded = 0;
+  for (const auto& [id, l] : live) {
+    requested += l.requested;
+    rounded += round512(l.requested);
+  }
+  r.max_requested_bytes = requested;
+  r.max_rounded_requested_bytes = rounded;
   for (size_t i = m.begin; i < m.end; ++i) {
-    apply(events[i]);
+    const auto& e = events[i];
+    if (e.bytes < 0) {
+      auto it = live.find(e.id);
+      if (it != live.end()) {
+        requested -= it->second.requested;
+        rounded -= round512(it->second.requested);
+      }
+    }
+    apply(e);
+    if (e.bytes > 0 && live.count(e.id) != 0) {
+      requested += e.bytes;
+      rounded += round512(e.bytes);
+    }
+    r.max_requested_bytes = std::max(r.max_requested_bytes, requested);
+    r.max_rounded_requested_bytes = std::max(r.max_rounded_requested_bytes, rounded);
     if (model.stats().allocated_bytes > peak) {
       peak = model.stats().allocated_bytes;
       peak_index = i;
       live_at_peak = live;
     }
   }
+  forward_output = at::Tensor();
   const auto s = model.stats();
   r.max_memory_allocated_bytes = s.peak_allocated_bytes;
   r.max_memory_reserved_bytes = s.peak_reserved_bytes;

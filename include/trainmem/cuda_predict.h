@@ -83,6 +83,15 @@ struct CudaPredictOptions {
   /// parameters and buffers (another model left alive, a data set on the
   /// device): allocated first, in this order. Meta tensors.
   TORCH_ARG(std::vector<at::Tensor>, resident) = {};
+  /// With an optimizer, predict its first step (its state made inside the
+  /// step, as a script that starts recording before the first step sees)
+  /// instead of a step after a warm-up one. The state it makes counts in
+  /// CudaPeakTerms::step_bytes.
+  TORCH_ARG(bool, first_step) = false;
+  /// Run `loss_fn` only: no backward and no optimizer step. What it returns
+  /// (any shape: the logits) stays alive to the end, with its autograd graph,
+  /// as in a script that records `logits = model(x)`.
+  TORCH_ARG(bool, forward_only) = false;
 };
 
 /// The bytes live at the predicted max_memory_allocated, by what they are.
@@ -107,6 +116,13 @@ struct CudaStepPrediction {
   int64_t max_memory_allocated_bytes = 0; ///< torch.cuda.max_memory_allocated() after reset_peak_memory_stats() at the step's start
   int64_t max_memory_reserved_bytes = 0;  ///< torch.cuda.max_memory_reserved(), from an allocator holding only what was live at the step's start
   int64_t start_allocated_bytes = 0;      ///< allocated when the step starts
+  /// Highest sum of live requested sizes (a memory snapshot's requested series).
+  int64_t max_requested_bytes = 0;
+  /// Highest sum of live requests each rounded up to 512 B: what a memory
+  /// snapshot's trace shows as allocated (it holds requested sizes, so a
+  /// block's unsplit remainder is not seen), snapshot.h's recorded
+  /// peak_allocated_bytes.
+  int64_t max_rounded_requested_bytes = 0;
   int64_t peak_inactive_split_bytes = 0;  ///< highest free bytes inside split segments
   double fragmentation = 0.0;             ///< 1 - max allocated / max reserved
   Phase phase = Phase::kBackward;         ///< where max_memory_allocated is reached
@@ -121,8 +137,9 @@ struct CudaStepPrediction {
 /// backward, `optimizer->step()` when given) from a run on meta tensors. With
 /// an optimizer the step runs twice and the second is reported (its state
 /// exists, its first step's cached segments are reused, as in a training
-/// loop). `loss_fn` builds its inputs on meta and returns a scalar. Throws,
-/// naming it, if a parameter is not on meta.
+/// loop), unless `options.first_step()`. `loss_fn` builds its inputs on meta
+/// and returns a scalar (any shape with `options.forward_only()`, which runs
+/// the forward alone). Throws, naming it, if a parameter is not on meta.
 ///
 /// What it models beyond the meta kernels' outputs: the caching allocator
 /// (rounding, pools, segments, splitting), cuBLAS / cuBLASLt workspaces made

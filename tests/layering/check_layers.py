@@ -61,6 +61,7 @@ LAYERS = {
     "include/trainmem/transformer.h": "models", "src/transformer.cpp": "models",
     "include/trainmem/gpt.h": "models", "src/gpt.cpp": "models",
     "include/trainmem/hf_model.h": "models", "src/hf_model.cpp": "models",
+    "include/trainmem/models/cs336_lm.h": "models", "src/cs336_lm.cpp": "models",
     "include/trainmem/trainmem.h": "umbrella",
     "include/trainmem/trainer.h": "app", "src/trainer.cpp": "app",
     "include/trainmem/distributed_trainer.h": "app", "src/distributed_trainer.cpp": "app",
