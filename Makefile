@@ -6,7 +6,7 @@ JOBS     ?= $(shell nproc)
 ARGS     ?=
 CMAKE_ARGS ?=
 
-.PHONY: all configure build demo test bench compare cuda-check gpu-check deps-bundle sanitize clean
+.PHONY: all configure build demo test bench compare cuda-check gpu-check deps-bundle sanitize fuzz clean
 
 all: build
 
@@ -78,6 +78,12 @@ cuda-check:
 # 35 min, TSan tests 15 s (docs/benchmarks.md, "Sanitizers").
 sanitize: configure
 	nice -n 10 scripts/sanitize.sh
+
+# libFuzzer targets of the readers of untrusted files (snapshot pickles,
+# config.json) with clang (installed when missing and run as root), each for
+# FUZZ_SECONDS (60): scripts/fuzz.sh. Not part of `make test`.
+fuzz: build
+	scripts/fuzz.sh
 
 # googletest's sources and the nlohmann_json and CLI11 headers, copied into
 # .deps/ for a machine without Debian's dev packages (the GPU machine).

@@ -221,8 +221,23 @@ const std::vector<PRef>& get_list(const PValue& d, const char* key, const char* 
   return v->items;
 }
 
+// C++ frames every allocation shares (the unwinder, the caching allocator,
+// the empty-tensor factories, dispatcher glue): they name no op.
+bool plumbing_frame(const std::string& name) {
+  static const char* const kPlumbing[] = {
+      "torch::unwind", "CapturedTraceback", "gather_with_cpp", "CUDACachingAllocator", "empty_generic",
+      "empty_cuda", "create_out", "set_output_raw_strided", "wrap_kernel_functor", "c10::Dispatcher",
+      "c10::OperatorHandle", "_ops::"};
+  for (const char* p : kPlumbing) {
+    if (name.find(p) != std::string::npos) return true;
+  }
+  return false;
+}
+
 // The Python frames say where an allocation came from; the C++ ones above
-// them (unwind, the allocator) are the same for all, so they go last.
+// them (unwind, the allocator) are the same for all, so they go last, and
+// the plumbing among them is skipped: an allocation made in backward (on
+// the autograd engine's thread, no Python frame) is named by its op.
 std::vector<SnapshotFrame> frames_of(const PValue& d) {
   std::vector<SnapshotFrame> py, cxx;
   const PValue* f = get(d, "frames");
@@ -230,6 +245,7 @@ std::vector<SnapshotFrame> frames_of(const PValue& d) {
   for (const auto& e : f->items) {
     SnapshotFrame fr{get_str(*e, "name"), get_str(*e, "filename"), get_int(*e, "line")};
     const bool is_py = fr.filename.size() > 3 && fr.filename.compare(fr.filename.size() - 3, 3, ".py") == 0;
+    if (!is_py && plumbing_frame(fr.name)) continue;
     auto& dst = is_py ? py : cxx;
     if (static_cast<int>(dst.size()) < kSnapshotFrames) dst.push_back(std::move(fr));
   }
@@ -362,6 +378,17 @@ struct ModelRun {
 // split off (the allocator splits only larger remainders), so it belongs to
 // that block. Returns the requests it could not place.
 constexpr int64_t kSmallSegmentBytes = 2 << 20;
+
+} // namespace
+
+std::string frame_label(const std::vector<SnapshotFrame>& frames) {
+  for (const auto& fr : frames) {
+    if (fr.line > 0) return fr.filename + ":" + std::to_string(fr.line) + " " + fr.name;
+  }
+  return frames.empty() ? std::string("(no frames)") : frames.front().name;
+}
+
+namespace {
 
 std::vector<Request> seed_segments(const Snapshot& snap, const std::vector<Request>& before,
                                    CudaCachingAllocatorModel& m, std::unordered_map<uint64_t, uint64_t>& addr) {
@@ -574,8 +601,8 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
   rec.allocated_at_peak_reserved_bytes = allocated;
   std::vector<std::pair<int64_t, int64_t>> rec_calls;
   std::vector<int64_t> rec_reserved_after(snap.traces.size(), 0);
-  std::unordered_map<uint64_t, std::pair<int64_t, int64_t>> live_at_peak = live;
-  int64_t peak_requested_for_live = requested;
+  const auto live_before = live;
+  int64_t peak_requested_event = -1;  // the last event of the requested peak's first reach (-1: before the trace)
   for (size_t i = 0; i < snap.traces.size(); ++i) {
     const auto& e = snap.traces[i];
     const auto idx = static_cast<int64_t>(i);
@@ -605,11 +632,32 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
     rec.peak_allocated_bytes = std::max(rec.peak_allocated_bytes, allocated);
     if (requested > rec.peak_requested_bytes) {
       rec.peak_requested_bytes = requested;
-      if (requested > peak_requested_for_live) {
-        peak_requested_for_live = requested;
-        live_at_peak = live;
-      }
+      peak_requested_event = idx;
     }
+  }
+  // What was live at the requested peak: a second pass up to it (copying
+  // the live set at each new peak cost time quadratic in a growing trace).
+  auto live_at_peak = live_before;
+  for (int64_t i = 0; i <= peak_requested_event; ++i) {
+    const auto& e = snap.traces[static_cast<size_t>(i)];
+    if (e.action == "alloc") {
+      live_at_peak[e.addr] = {e.size_bytes, i};
+    } else if (e.action == "free_completed") {
+      live_at_peak.erase(e.addr);
+    }
+  }
+  // The same bytes by where they were allocated (snapshot --diff).
+  {
+    std::unordered_map<std::string, std::pair<int64_t, int64_t>> by;
+    for (const auto& [a, v] : live_at_peak) {
+      const std::string where =
+          v.second < 0 ? std::string("(before recording)") : frame_label(snap.traces[static_cast<size_t>(v.second)].frames);
+      by[where].first += v.first;
+      by[where].second += 1;
+    }
+    for (auto& [where, bc] : by) r.live_at_peak_by_frame.push_back({where, bc.first, bc.second});
+    std::sort(r.live_at_peak_by_frame.begin(), r.live_at_peak_by_frame.end(),
+              [](const auto& x, const auto& y) { return x.requested_bytes > y.requested_bytes; });
   }
   // The allocations live when requested bytes peaked, largest first.
   std::unordered_map<int64_t, const TraceEntry*> alloc_at;

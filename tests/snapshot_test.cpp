@@ -199,3 +199,25 @@ TEST(SnapshotTest, ReplaysCs336ForwardExactly) {
   EXPECT_EQ(r.model.num_segment_allocs, 178);
   EXPECT_EQ(r.model.peak_allocated_bytes, 17738153984);
 }
+
+// Everything live at the recorded requested peak, grouped by where it was
+// allocated (what `snapshot --diff` compares): the groups sum to the peak,
+// in every recording present.
+TEST(SnapshotTest, LiveAtPeakByFrameSumsToThePeak) {
+  int checked = 0;
+  for (const char* name : {"memory_ctx128_forward.pickle", "memory_ctx128_forward_mixed.pickle",
+                           "memory_ctx128_fullstep.pickle", "memory_ctx512_fullstep_.pickle"}) {
+    const auto path = cs336(name);
+    if (!std::filesystem::exists(path)) continue;
+    const auto r = trainmem::replay_snapshot(trainmem::read_snapshot(path));
+    int64_t sum = 0;
+    for (const auto& g : r.live_at_peak_by_frame) sum += g.requested_bytes;
+    EXPECT_EQ(sum, r.recorded.peak_requested_bytes) << name;
+    ASSERT_FALSE(r.live_at_peak_by_frame.empty());
+    for (size_t k = 1; k < r.live_at_peak_by_frame.size(); ++k) {
+      EXPECT_GE(r.live_at_peak_by_frame[k - 1].requested_bytes, r.live_at_peak_by_frame[k].requested_bytes);
+    }
+    ++checked;
+  }
+  if (checked == 0) GTEST_SKIP() << "no CS336 snapshot under " << cs336("");
+}

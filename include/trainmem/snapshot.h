@@ -120,6 +120,18 @@ struct StrandedSegment {
   std::vector<SnapshotFrame> frames;
 };
 
+/// The bytes live at the recorded requested peak that were allocated at one
+/// place (frame_label() of their alloc's frames).
+struct LiveByFrame {
+  std::string frame;
+  int64_t requested_bytes = 0;
+  int64_t num_allocations = 0;
+};
+
+/// Where an allocation was made, in one line: the first frame with a line
+/// number ("model.py:22 forward"), else the first frame's name.
+std::string frame_label(const std::vector<SnapshotFrame>& frames);
+
 /// What replay_snapshot() finds.
 struct SnapshotReplay {
   int64_t num_events = 0;
@@ -131,6 +143,8 @@ struct SnapshotReplay {
   std::optional<int64_t> first_mismatch;  ///< trace index of the first divergence
   std::string mismatch;                   ///< what the recording did and what the model did
   std::vector<LiveAllocation> top_live_at_peak;  ///< recorded, largest first (at most 10)
+  /// Everything live at the recorded requested peak, grouped by frame_label(), most bytes first.
+  std::vector<LiveByFrame> live_at_peak_by_frame;
   /// Model's reserved minus allocated when reserved peaked, in bytes: the
   /// sum of free blocks in all its segments then.
   int64_t model_free_at_peak_bytes = 0;

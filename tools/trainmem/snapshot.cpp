@@ -1,6 +1,8 @@
 // trainmem snapshot: read a memory snapshot recorded on a GPU, check the
 // allocator model against it, and replay it under other allocator settings.
+#include <algorithm>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -31,6 +33,26 @@ std::string where(const std::vector<SnapshotFrame>& frames) {
     if (fr.line > 0) return fr.filename + ":" + std::to_string(fr.line) + " " + fr.name;
   }
   return frames.empty() ? std::string("(before recording)") : frames.front().name;
+}
+
+// What is live at OTHER's requested peak, by where it was allocated, minus
+// the same at THIS one's: the places that grew, most first (frames name the
+// category and phase in trainmem's own snapshots).
+std::vector<LiveByFrame> grown(const SnapshotReplay& self, const SnapshotReplay& other) {
+  std::map<std::string, LiveByFrame> by;
+  for (const auto& x : other.live_at_peak_by_frame) by[x.frame] = x;
+  for (const auto& x : self.live_at_peak_by_frame) {
+    auto& e = by[x.frame];
+    e.frame = x.frame;
+    e.requested_bytes -= x.requested_bytes;
+    e.num_allocations -= x.num_allocations;
+  }
+  std::vector<LiveByFrame> out;
+  for (auto& [k, v] : by) {
+    if (v.requested_bytes > 0) out.push_back(v);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.requested_bytes > b.requested_bytes; });
+  return out;
 }
 
 void print_text(const std::string& file, const Snapshot& snap, const SnapshotReplay& r,
@@ -153,10 +175,15 @@ void add_snapshot_command(CLI::App& app) {
                                 {"num_ooms", x.num_ooms}});
       }
       if (other) {
+        nlohmann::json grew = nlohmann::json::array();
+        for (const auto& g : grown(r, *other)) {
+          grew.push_back({{"frame", g.frame}, {"bytes", g.requested_bytes}, {"num_allocations", g.num_allocations}});
+        }
         j["diff"] = {{"file", f->diff},
                      {"peak_reserved_bytes", other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes},
                      {"peak_requested_bytes", other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes},
-                     {"num_segment_allocs", other->recorded.num_segment_allocs - r.recorded.num_segment_allocs}};
+                     {"num_segment_allocs", other->recorded.num_segment_allocs - r.recorded.num_segment_allocs},
+                     {"grew_at_peak", grew}};
       }
       std::cout << j.dump(2) << "\n";
       return;
@@ -169,6 +196,13 @@ void add_snapshot_command(CLI::App& app) {
                 << with_commas(other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes)
                 << " B, cudaMalloc calls "
                 << (other->recorded.num_segment_allocs - r.recorded.num_segment_allocs) << "\n";
+      const auto g = grown(r, *other);
+      std::cout << "live at the requested peak, grown by where it was allocated (" << f->diff << " - " << f->input
+                << "):\n";
+      for (size_t k = 0; k < g.size() && k < 10; ++k) {
+        std::cout << "  +" << with_commas(g[k].requested_bytes) << " B  (" << g[k].num_allocations << " allocations)  "
+                  << g[k].frame << "\n";
+      }
     }
   });
 }
