@@ -618,6 +618,9 @@ struct CudaCachingAllocatorModel::Impl {
     }
     while (c->size < size) {
       Block* n = c->next;
+      if (n == nullptr) {
+        return nullptr;  // the segment's address space ends before the request does: out of memory
+      }
       if (!map_block(n, std::min(size - c->size, n->size))) {
         return nullptr;
       }

@@ -337,3 +337,14 @@ TEST(CudaAllocatorModelTest, AddsSegmentsAtGivenAddresses) {
   EXPECT_EQ(cuda.stats().num_device_allocs, 1);
   EXPECT_THROW(cuda.add_segment(0x80000000, 2 << 20, false, 0, {{0x80000000, 1 << 20, 0, false}}), c10::Error);
 }
+
+// Found by fuzzing (make fuzz): an expandable segment reserves address space
+// for 1 1/8 of the device; a request larger than that ran off its end (a
+// null block, SIGSEGV). It is out of memory, as on a GPU.
+TEST(CudaAllocatorModelTest, ExpandableRequestBeyondTheAddressSpaceIsOutOfMemory) {
+  CudaCachingAllocatorModel m(CudaAllocatorConfig::parse("expandable_segments:True").device_bytes(64 * MiB));
+  EXPECT_EQ(m.malloc(100 * MiB), 0u);  // 64 MiB x 9/8 = 72 MiB of address space
+  EXPECT_EQ(m.stats().num_ooms, 1);
+  EXPECT_NE(m.malloc(30 * MiB), 0u);  // what fits still does
+  EXPECT_EQ(m.stats().allocated_bytes, 30 * MiB);
+}

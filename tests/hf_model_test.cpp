@@ -219,6 +219,10 @@ TEST(HfModelTest, BadConfigsNameTheKeyAndValue) {
             std::string::npos);
   EXPECT_NE(error_of([] { trainmem::parse_hf_config("{not json", "x.json"); }).find("x.json: not JSON"),
             std::string::npos);
+  // Found by fuzzing: a number beyond a double (nlohmann's out_of_range, not a
+  // parse_error) escaped as an uncaught exception and aborted the command.
+  EXPECT_NE(error_of([] { trainmem::parse_hf_config("2e607", "x.json"); }).find("x.json: not JSON"),
+            std::string::npos);
 }
 
 // A tiny model of each family trains on CPU: the loss on a fixed batch falls.

@@ -43,7 +43,8 @@ inline nlohmann::json parse_bounded_json(const std::string& text, int max_depth,
   TORCH_CHECK(depth <= max_depth, who, ": expected JSON nested at most ", max_depth, " deep, but got ", depth);
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // parse_error, and out_of_range for a number beyond a double (2e607)
     TORCH_CHECK(false, who, ": not JSON: ", e.what());
   }
 }

@@ -71,6 +71,9 @@ void print_text(const std::string& file, const Snapshot& snap, const SnapshotRep
   row("cudaMalloc calls", r.recorded.num_segment_allocs, r.model.num_segment_allocs);
   row("cudaFree calls", r.recorded.num_segment_frees, r.model.num_segment_frees);
   row("peak reserved at event", r.recorded.peak_event, r.model.peak_event);
+  if (snap.alloc_conf && !snap.alloc_conf->empty()) {
+    std::cout << "replayed under the recording's PYTORCH_CUDA_ALLOC_CONF: " << *snap.alloc_conf << "\n";
+  }
   std::cout << "replay: " << (r.matches ? "matches" : "diverges") << (r.matches ? "" : ": " + r.mismatch) << "\n";
   std::cout << "largest allocations live at the requested peak:\n";
   for (const auto& a : r.top_live_at_peak) {
@@ -150,7 +153,18 @@ void add_snapshot_command(CLI::App& app) {
         confs.push_back("garbage_collection_threshold:0.8");  // acts only on a device of known size
       }
     }
-    const auto r = replay_snapshot(snap);
+    // The recording's own allocator settings, when it names any: the replay
+    // follows the rules the GPU ran under.
+    CudaAllocatorConfig recorded_config;
+    if (snap.alloc_conf && !snap.alloc_conf->empty()) {
+      try {
+        recorded_config = CudaAllocatorConfig::parse(*snap.alloc_conf);
+      } catch (const c10::Error& e) {
+        throw UsageError(f->input + ": its PYTORCH_CUDA_ALLOC_CONF \"" + *snap.alloc_conf +
+                         "\" is not one the model knows: " + e.what_without_backtrace());
+      }
+    }
+    const auto r = replay_snapshot(snap, recorded_config);
     const auto w = what_if_snapshot(snap, confs, device_bytes);
     std::optional<SnapshotReplay> other;
     if (!f->diff.empty()) other = replay_snapshot(load(f->diff));
@@ -159,6 +173,7 @@ void add_snapshot_command(CLI::App& app) {
       j["kind"] = "snapshot";
       j["file"] = f->input;
       j["num_events"] = r.num_events;
+      j["recorded_alloc_conf"] = snap.alloc_conf ? nlohmann::json(*snap.alloc_conf) : nlohmann::json();
       j["replay"] = {{"matches", r.matches},
                      {"first_mismatch", r.first_mismatch ? nlohmann::json(*r.first_mismatch) : nlohmann::json()},
                      {"mismatch", r.mismatch},
