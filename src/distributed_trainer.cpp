@@ -537,10 +537,16 @@ DistributedRun train_distributed(const DistributedTrainerOptions& o) {
         e.message = nl == std::string::npos ? "" : s.substr(nl + 1);
       }
     }
-    for (int r = 0; r < world && cause < 0; ++r) {
-      const auto& e = exits[static_cast<size_t>(r)];
-      if (failed(e) && e.failure_seq == 0) {
-        cause = r;
+    // A rank killed by SIGPIPE wrote to a peer that had died first (its
+    // socket closed): a consequence, named only when no other rank died
+    // silently (CI once named rank 0's SIGPIPE for rank 1's SIGKILL).
+    auto broken_pipe = [](const RankExit& e) { return WIFSIGNALED(e.status) && WTERMSIG(e.status) == SIGPIPE; };
+    for (int pass = 0; pass < 2 && cause < 0; ++pass) {
+      for (int r = 0; r < world && cause < 0; ++r) {
+        const auto& e = exits[static_cast<size_t>(r)];
+        if (failed(e) && e.failure_seq == 0 && (pass == 1 || !broken_pipe(e))) {
+          cause = r;
+        }
       }
     }
     for (int r = 0; r < world; ++r) {
