@@ -147,6 +147,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   };
 
   std::vector<const torch::nn::Module*> modules;
+  std::vector<at::Tensor> optimized_inputs;  // add_optimized_input(): leaves of no module
   std::vector<const torch::jit::Module*> jit_modules;
   std::vector<NamedOptimizer> optimizers;
   int64_t num_groups = 0;
@@ -244,6 +245,11 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     for (const auto& p : parameters()) {
       u->register_parameter(fmt::format("p{}", i++), p, p.requires_grad());
     }
+    // Optimized inputs: for their gradients and optimizer state (their
+    // bytes are their own bucket, taken out of the parameters' below).
+    for (const auto& t : optimized_inputs) {
+      u->register_parameter(fmt::format("p{}", i++), t, true);
+    }
     return u;
   }
 
@@ -252,6 +258,11 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   StaticBuckets buckets() const {
     const auto u = union_module();
     auto b = account(*u);
+    for (const auto& t : optimized_inputs) {  // a bucket of their own (labels)
+      b.param_bytes -= static_cast<int64_t>(t.storage().nbytes());
+      b.num_params -= t.numel();
+      b.num_trainable_params -= t.numel();
+    }
     std::map<std::string, StateBytes> by_name;
     for (const auto& o : optimizers) {
       const auto ob = account(*u, *o.optimizer);
@@ -292,6 +303,12 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       o[storage_address(p)] = Category::kParameter;
       if (p.grad().defined()) {
         o[storage_address(p.grad())] = Category::kGradient;
+      }
+    }
+    for (const auto& t : optimized_inputs) {
+      o[storage_address(t)] = Category::kInput;
+      if (t.grad().defined()) {
+        o[storage_address(t.grad())] = Category::kGradient;
       }
     }
     o.erase(0);
@@ -917,6 +934,9 @@ void Audit::add_optimizer(const torch::optim::Optimizer& optimizer, std::string 
   for (const auto& p : s.parameters()) {
     audited.insert(p.unsafeGetTensorImpl());
   }
+  for (const auto& t : s.optimized_inputs) {
+    audited.insert(t.unsafeGetTensorImpl());
+  }
   int64_t num = 0, foreign = 0;
   for (const auto& g : optimizer.param_groups()) {
     for (const auto& p : g.params()) {
@@ -927,7 +947,8 @@ void Audit::add_optimizer(const torch::optim::Optimizer& optimizer, std::string 
   TORCH_CHECK(num > 0, "Audit::add_optimizer: the optimizer has no parameters");
   TORCH_CHECK(foreign == 0, "Audit::add_optimizer: ", foreign, " of the optimizer's ", num,
               " parameters are not parameters of an audited module; add their module first "
-              "(Audit::add_module)");
+              "(Audit::add_module), or, for a tensor of no module the loop optimizes (an image), "
+              "Audit::add_optimized_input");
   if (name.empty()) {
     name = optimizer_type(optimizer);
     int64_t same = 0;
@@ -969,6 +990,24 @@ void Audit::label(const at::Tensor& tensor, std::string name, Category category)
 
 void Audit::set_category(const at::Tensor& tensor, Category category) {
   impl_->add_label(tensor, category_name(category), category, /*bucket=*/false, "Audit::set_category");
+}
+
+void Audit::add_optimized_input(const at::Tensor& tensor, std::string name) {
+  auto& s = *impl_;
+  TORCH_CHECK(tensor.defined(), "Audit::add_optimized_input: the tensor '", name, "' is undefined");
+  TORCH_CHECK(tensor.is_leaf() && tensor.requires_grad(), "Audit::add_optimized_input: '", name,
+              "' must be a leaf that requires grad (an optimizer's parameter), but it ",
+              tensor.requires_grad() ? "is the result of an op (not a leaf)" : "does not require grad");
+  for (const auto& t : s.optimized_inputs) {
+    TORCH_CHECK(!t.is_same(tensor), "Audit::add_optimized_input: '", name, "' was added already");
+  }
+  for (const auto& p : s.parameters()) {
+    TORCH_CHECK(!p.is_same(tensor), "Audit::add_optimized_input: '", name,
+                "' is a parameter of an audited module already");
+  }
+  s.add_label(tensor, "optimized input (" + name + ")", Category::kInput, /*bucket=*/true,
+              "Audit::add_optimized_input");
+  s.optimized_inputs.push_back(tensor);
 }
 
 void Audit::Impl::add_label(const at::Tensor& tensor, std::string name, Category category, bool bucket,

@@ -6,11 +6,14 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
 #include "trainmem/allocator.h"
+#include "trainmem/meter.h"
 
 namespace {
 
@@ -391,4 +394,70 @@ TEST(AuditTest, WarnsAboutSavedLeavesOfUnauditedNetworks) {
       EXPECT_EQ(n.find("leaves that require grad"), std::string::npos) << n;
     }
   }
+}
+
+// Issue: neural style transfer optimizes the image, a tensor of no module,
+// and add_optimizer refused it. add_optimized_input gives it a bucket of its
+// own and keeps it out of the saved bytes; its gradient and Adam state count
+// as such. The saved bytes equal a SavedTensorMeter's on the same forward
+// with the features and the image excluded.
+TEST(AuditTest, OptimizedInputHasItsOwnBucket) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Sequential features(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)), torch::nn::ReLU(),
+                                 torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3)));
+  for (auto& p : features->parameters()) {
+    p.requires_grad_(false);  // frozen, as VGG is
+  }
+  auto image = torch::rand({1, 3, 32, 32}).requires_grad_(true);
+  torch::optim::Adam opt({image}, 0.01);
+  auto loss = [&] { return features->forward(image).pow(2).mean(); };
+  {
+    trainmem::Audit audit(*features);
+    try {
+      audit.add_optimizer(opt);
+      FAIL() << "an optimizer over a tensor of no module was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("Audit::add_optimized_input"), std::string::npos) << e.what();
+    }
+  }
+  trainmem::SavedTensorMeter meter(*features);
+  meter.exclude(image);
+  {
+    trainmem::SavedTensorMeterGuard g(meter);
+    loss().backward();
+  }
+  image.mutable_grad().reset();
+  trainmem::Audit audit(*features);
+  audit.add_optimized_input(image, "image");
+  audit.add_optimizer(opt);
+  for (int i = 0; i < 2; ++i) {
+    auto audited = audit.step();
+    opt.zero_grad();
+    loss().backward();
+    opt.step();
+  }
+  const auto r = audit.report();
+  auto bucket = [&](const std::string& name) {
+    for (const auto& b : r.buckets) {
+      if (b.name == name) return b.bytes;
+    }
+    ADD_FAILURE() << "no bucket " << name;
+    return int64_t{-1};
+  };
+  constexpr int64_t kImage = 1 * 3 * 32 * 32 * 4;
+  EXPECT_EQ(bucket("optimized input (image)"), kImage);
+  EXPECT_EQ(bucket("parameters"), 4 * (8 * 3 * 3 * 3 + 8 + 8 * 8 * 3 * 3 + 8));
+  EXPECT_EQ(bucket("gradients"), kImage);  // the frozen features have none
+  EXPECT_EQ(r.saved_activation_bytes, meter.report().saved_bytes);
+  EXPECT_GT(r.saved_activation_bytes, 0);
+  int64_t state = 0;
+  for (const auto& b : r.buckets) {
+    state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  }
+  EXPECT_EQ(state, 2 * kImage);  // exp_avg, exp_avg_sq
+  for (const auto& n : r.notes) {
+    EXPECT_EQ(n.find("leaves that require grad"), std::string::npos) << n;
+  }
+  EXPECT_THROW(audit.add_optimized_input(torch::zeros({2}), "not a leaf that requires grad"), c10::Error);
 }

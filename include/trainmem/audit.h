@@ -165,6 +165,22 @@ class Audit {
   /// audit.label(dataset_images, "data set (images)", trainmem::Category::kInput);
   /// ```
   void label(const at::Tensor& tensor, std::string name, Category category);
+  /// A tensor the training loop optimizes that belongs to no module (neural
+  /// style transfer's image): call before add_optimizer() with an optimizer
+  /// over it. It gets a bucket of its own ("optimized input (name)",
+  /// INPUT on the timeline) and is never counted as a saved activation; its
+  /// gradient counts with the gradients and its optimizer state with the
+  /// optimizer state. Throws unless it is a leaf that requires grad.
+  ///
+  /// Example:
+  /// ```
+  /// auto image = content.clone().requires_grad_(true);
+  /// torch::optim::LBFGS opt({image});
+  /// trainmem::Audit audit(*vgg);  // frozen features
+  /// audit.add_optimized_input(image, "image");
+  /// audit.add_optimizer(opt);
+  /// ```
+  void add_optimized_input(const at::Tensor& tensor, std::string name);
   /// As label(), but adds no bucket to the reports: only the timeline's
   /// category of the tensor's storage (and it is never counted as saved
   /// activations). For bytes a report counts elsewhere: DistributedAudit
