@@ -82,7 +82,7 @@ std::string rank_report_to_json(const RankReport& rank) {
 }
 
 RankReport rank_report_from_json(const std::string& text) {
-  Json j = parse_bounded_json(text, kMaxRankReportDepth, "rank report");
+  Json j = parse_bounded_json<Json>(text, kMaxRankReportDepth, "rank report");
   return rank_from(j);
 }
 
@@ -213,7 +213,7 @@ std::string to_json(const DistributedReport& r, int indent) {
 }
 
 DistributedReport distributed_report_from_json(const std::string& text) {
-  Json j = detail::parse_bounded_json(text, detail::kMaxRankReportDepth, "distributed_report_from_json");
+  Json j = detail::parse_bounded_json<Json>(text, detail::kMaxRankReportDepth, "distributed_report_from_json");
   TORCH_CHECK(j.is_object(), "distributed_report_from_json: expected a JSON object, but got ", j.type_name());
   DistributedReport r;
   TORCH_CHECK(j.contains("schema") && j["schema"].is_string() && j["schema"].get<std::string>() == r.schema,

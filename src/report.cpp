@@ -94,8 +94,6 @@ CategoryBytes category_bytes_from(const Json& j) {
   return b;
 }
 
-// Deepest nesting of arrays and objects in `text`, outside strings.
-
 // Text from a report file may hold anything JSON allows; a terminal must
 // not receive its control characters (escape sequences). C0, DEL and the C1
 // controls (UTF-8 C2 80..C2 9F) are written as \xNN / \u00NN.
@@ -332,7 +330,7 @@ std::string to_json(const AuditReport& r, int indent) {
 }
 
 AuditReport report_from_json(const std::string& text) {
-  Json j = detail::parse_bounded_json(text, kMaxReportDepth, "report_from_json");
+  Json j = detail::parse_bounded_json<Json>(text, kMaxReportDepth, "report_from_json");
   TORCH_CHECK(j.is_object(), "report_from_json: expected a JSON object, but got ", j.type_name());
   TORCH_CHECK(j.contains("schema") && j["schema"].is_string(),
               "report_from_json: no \"schema\" key; is this a trainmem report?");

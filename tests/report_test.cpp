@@ -14,7 +14,7 @@ using trainmem::Phase;
 trainmem::AuditReport sample_report() {
   trainmem::AuditReport r;
   r.title = "net <b>&</b>";
-  r.config = {{"batch", "16"}, {"precision", "fp32"}};
+  r.config = {{"precision", "fp32"}, {"batch", "16"}};  // not in key order: reading keeps the file's order
   r.num_params = 1000;
   r.buckets = {{"parameters", Category::kParameter, 4000}, {"gradients", Category::kGradient, 4000},
                {"optimizer state (exp_avg)", Category::kOptimizerState, 4000}};

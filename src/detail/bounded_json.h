@@ -35,14 +35,16 @@ inline int json_depth(const std::string& text) {
   return deepest;
 }
 
-// Parses `text`, nested at most `max_depth` deep. Throws c10::Error starting
-// with `who`: "<who>: expected JSON nested at most N deep, but got M" or
-// "<who>: not JSON: <the parser's message>".
-inline nlohmann::json parse_bounded_json(const std::string& text, int max_depth, const std::string& who) {
+// Parses `text`, nested at most `max_depth` deep, into the caller's JSON
+// type (an ordered_json keeps the file's key order). Throws c10::Error
+// starting with `who`: "<who>: expected JSON nested at most N deep, but got
+// M" or "<who>: not JSON: <the parser's message>".
+template <class Json = nlohmann::json>
+Json parse_bounded_json(const std::string& text, int max_depth, const std::string& who) {
   const int depth = json_depth(text);
   TORCH_CHECK(depth <= max_depth, who, ": expected JSON nested at most ", max_depth, " deep, but got ", depth);
   try {
-    return nlohmann::json::parse(text);
+    return Json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     // parse_error, and out_of_range for a number beyond a double (2e607)
     TORCH_CHECK(false, who, ": not JSON: ", e.what());
