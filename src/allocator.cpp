@@ -68,9 +68,19 @@ struct RecorderSlot {
   // are not this recorder's blocks, less those freed or adopted since.
   std::atomic<bool> baseline_on{false};
   int64_t baseline = 0;
-  int64_t baseline_ns = 0;
+  // When the baseline began; set before baseline_on, so a free can skip the
+  // lock for the blocks made since (most of them).
+  std::atomic<int64_t> baseline_ns{0};
   std::vector<uint64_t> baseline_excluded;  // recorders live when the baseline began: their blocks are theirs
   std::vector<CpuMemoryEvent> baseline_frees;
+
+  // Under `mutex`: a block tagged `owner` made at `made_ns` is counted in
+  // this baseline.
+  bool in_baseline(uint64_t owner, int64_t made_ns) const {
+    return baseline_on.load(std::memory_order_relaxed) && owner != tag.load(std::memory_order_relaxed) &&
+        made_ns < baseline_ns.load(std::memory_order_relaxed) &&
+        std::find(baseline_excluded.begin(), baseline_excluded.end(), owner) == baseline_excluded.end();
+  }
 };
 
 // Recorders with a baseline: while none has one, a free costs no slot walk.
@@ -124,14 +134,12 @@ void to_baselines(uint64_t tag, int64_t bytes, int64_t alloc_ns, int64_t time_ns
   auto* slots = recorder_slots();
   for (int i = 0; i < kMaxRecorders; ++i) {
     auto& r = slots[i];
-    if (!r.baseline_on.load(std::memory_order_relaxed)) {
-      continue;
+    if (!r.baseline_on.load(std::memory_order_acquire) || alloc_ns >= r.baseline_ns.load(std::memory_order_relaxed)) {
+      continue;  // no baseline, or a block made since it began
     }
     try {
       std::lock_guard<std::mutex> lock(r.mutex);
-      const uint64_t own = r.tag.load(std::memory_order_relaxed);
-      if (!r.baseline_on.load(std::memory_order_relaxed) || own == 0 || own == tag || alloc_ns >= r.baseline_ns ||
-          std::find(r.baseline_excluded.begin(), r.baseline_excluded.end(), tag) != r.baseline_excluded.end()) {
+      if (!r.in_baseline(tag, alloc_ns)) {
         continue;
       }
       r.baseline -= bytes;
@@ -471,14 +479,14 @@ int64_t AllocRecorder::begin_baseline() {
   auto& r = slots[slot_];
   std::lock_guard<std::mutex> lock(r.mutex);
   auto& c = counters();
-  r.baseline_ns = now_since(c);
+  r.baseline_ns.store(now_since(c));
   r.baseline = c.allocated.load() - r.live - theirs;
   r.baseline_excluded = std::move(excluded);
   r.window_peak = std::max(r.window_peak, r.live + r.baseline);
   if (!r.baseline_on.exchange(true)) {
     g_num_baselines.fetch_add(1);
   }
-  return r.baseline_ns;
+  return r.baseline_ns.load();
 }
 
 int64_t AllocRecorder::baseline_bytes() const {
@@ -511,8 +519,10 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
   }
   int64_t size = 0;
   std::memcpy(&size, block, sizeof(size));
+  int64_t made_ns = 0;
+  std::memcpy(&made_ns, block + kTimeOffset, sizeof(made_ns));
   if (alloc_ns != nullptr) {
-    std::memcpy(alloc_ns, block + kTimeOffset, sizeof(*alloc_ns));
+    *alloc_ns = made_ns;
   }
   std::atomic_ref<uint64_t> tag(*reinterpret_cast<uint64_t*>(block + kTagOffset));
   const uint64_t owner = tag.load();
@@ -530,10 +540,7 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
   // The storage is alive (we hold it), so its block cannot be freed meanwhile.
   tag.store(tag_);
   r.live += size;
-  int64_t made_ns = 0;
-  std::memcpy(&made_ns, block + kTimeOffset, sizeof(made_ns));
-  if (r.baseline_on.load() && made_ns < r.baseline_ns &&
-      std::find(r.baseline_excluded.begin(), r.baseline_excluded.end(), owner) == r.baseline_excluded.end()) {
+  if (r.in_baseline(owner, made_ns)) {
     r.baseline -= size;  // it was counted in the baseline; now it is ours
   }
   r.window_peak = std::max(r.window_peak, r.live + r.baseline);
