@@ -379,6 +379,15 @@ struct ModelRun {
 // that block. Returns the requests it could not place.
 constexpr int64_t kSmallSegmentBytes = 2 << 20;
 
+// Note [cudaFree in a recording]: a run of recorded segment_frees the model
+// did not make is the program releasing its cache (torch.cuda.empty_cache(),
+// or release_cached_blocks() before a retry); the replay empties the model's
+// cache at the run's first event, and matches each free to it. True when
+// event `i` is a segment_free after another.
+bool continues_free_run(const Snapshot& snap, size_t i) {
+  return i > 0 && snap.traces[i].action == "segment_free" && snap.traces[i - 1].action == "segment_free";
+}
+
 } // namespace
 
 std::string frame_label(const std::vector<SnapshotFrame>& frames) {
@@ -509,11 +518,8 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
       continue;
     }
     if (e.action == "segment_free") {
-      // Note [cudaFree in a recording]: a run of segment_free events the
-      // model did not make itself is the program releasing the cache
-      // (torch.cuda.empty_cache(), or release_cached_blocks() before a
-      // retry): every wholly free segment goes, as in the model's empty_cache().
-      if (i > 0 && snap.traces[i - 1].action == "segment_free") continue;
+      // Note [cudaFree in a recording]: every wholly free segment goes.
+      if (continues_free_run(snap, i)) continue;
       m.empty_cache();
     } else if (e.action == "alloc") {
       addr[e.addr] = m.malloc(e.size_bytes, e.stream);
@@ -690,10 +696,9 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
       if (rec_calls[k].second > 0) {
         while (owner < r.num_events && snap.traces[static_cast<size_t>(owner)].action != "alloc") ++owner;
       }
-      // A recorded segment_free belongs to the first of its run of frees
-      // (Note [cudaFree in a recording]).
+      // A recorded segment_free belongs to the first of its run of frees.
       if (rec_calls[k].second < 0) {
-        while (owner > 0 && snap.traces[static_cast<size_t>(owner - 1)].action == "segment_free") --owner;
+        while (continues_free_run(snap, static_cast<size_t>(owner))) --owner;
       }
       same = owner == run.device_calls[k].first;
     }

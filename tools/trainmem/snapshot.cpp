@@ -28,11 +28,9 @@ nlohmann::json figures_json(const SnapshotFigures& f) {
           {"allocated_at_peak_reserved_bytes", f.allocated_at_peak_reserved_bytes}};
 }
 
+// An allocation with no frames was live before recording began.
 std::string where(const std::vector<SnapshotFrame>& frames) {
-  for (const auto& fr : frames) {
-    if (fr.line > 0) return fr.filename + ":" + std::to_string(fr.line) + " " + fr.name;
-  }
-  return frames.empty() ? std::string("(before recording)") : frames.front().name;
+  return frames.empty() ? std::string("(before recording)") : frame_label(frames);
 }
 
 // What is live at OTHER's requested peak, by where it was allocated, minus
