@@ -504,13 +504,13 @@ CudaStepPrediction predict_cuda_step_peak(
   int64_t peak = model.stats().allocated_bytes;
   size_t peak_index = m.begin;
   std::unordered_map<uint64_t, Live> live_at_peak = live;
-  // The snapshot's series: requested sizes, and each rounded up to 512 B.
-  auto round512 = [](int64_t b) { return b < 512 ? int64_t{512} : (b + 511) / 512 * 512; };
+  // The snapshot's series: requested sizes, and each rounded as the allocator
+  // rounds it (512 B by default), as snapshot.h's recorded figure is.
   int64_t requested = 0;
   int64_t rounded = 0;
   for (const auto& [id, l] : live) {
     requested += l.requested;
-    rounded += round512(l.requested);
+    rounded += l.block;
   }
   r.max_requested_bytes = requested;
   r.max_rounded_requested_bytes = rounded;
@@ -520,13 +520,15 @@ CudaStepPrediction predict_cuda_step_peak(
       auto it = live.find(e.id);
       if (it != live.end()) {
         requested -= it->second.requested;
-        rounded -= round512(it->second.requested);
+        rounded -= it->second.block;
       }
     }
     apply(e);
-    if (e.bytes > 0 && live.count(e.id) != 0) {
-      requested += e.bytes;
-      rounded += round512(e.bytes);
+    if (e.bytes > 0) {
+      if (auto it = live.find(e.id); it != live.end()) {
+        requested += e.bytes;
+        rounded += it->second.block;
+      }
     }
     r.max_requested_bytes = std::max(r.max_requested_bytes, requested);
     r.max_rounded_requested_bytes = std::max(r.max_rounded_requested_bytes, rounded);

@@ -118,7 +118,8 @@ struct CudaStepPrediction {
   int64_t start_allocated_bytes = 0;      ///< allocated when the step starts
   /// Highest sum of live requested sizes (a memory snapshot's requested series).
   int64_t max_requested_bytes = 0;
-  /// Highest sum of live requests each rounded up to 512 B: what a memory
+  /// Highest sum of live requests each rounded as the allocator rounds them
+  /// (512 B by default, CudaCachingAllocatorModel::round_size): what a memory
   /// snapshot's trace shows as allocated (it holds requested sizes, so a
   /// block's unsplit remainder is not seen), snapshot.h's recorded
   /// peak_allocated_bytes.
