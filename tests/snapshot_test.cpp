@@ -136,6 +136,84 @@ TEST(SnapshotTest, RejectsDeepNestingAndHostileSizes) {
   EXPECT_THROW(parse_snapshot(std::string("\x80\x02\x63os\nsystem\n.", 14)), c10::Error);  // GLOBAL
 }
 
+// Containers are closed once placed in another (Note [The snapshot
+// reader]): a pickle that changes one after, puts one inside itself, or
+// nests appends deeper than 1000 is refused, never read as a cycle.
+TEST(SnapshotTest, RejectsCyclesAndLateChanges) {
+  auto message = [](const std::string& p) {
+    try {
+      parse_snapshot(p);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(std::string("\x80\x02]2a.", 5)).find("inside itself"), std::string::npos);
+  // L0 (memo 0) is appended to L1, then L1 popped and 1 appended to L0.
+  EXPECT_NE(message(std::string("\x80\x02]\x94]h\x00" "a0K\x01" "a.", 14)).find("already placed"), std::string::npos);
+  const std::string deep = "\x80\x02" + std::string(1100, ']') + std::string(1099, 'a') + ".";
+  EXPECT_NE(message(deep).find("deeper than 1000"), std::string::npos);
+}
+
+// What torch's pickles do: every dict and list memoised, a frame dict or a
+// whole frames list that recurs read back with BINGET. Both entries get the
+// same kept stack: the Python frame first, then the C++ op past the
+// allocator's plumbing.
+TEST(SnapshotTest, SharedFramesThroughTheMemo) {
+  std::string p = "\x80\x04";
+  int memo = 0;
+  auto put = [&] {
+    p += '\x94';
+    return memo++;
+  };
+  auto str = [&](const std::string& s) {
+    p += '\x8c';
+    p += static_cast<char>(s.size());
+    p += s;
+  };
+  auto get = [&](int idx) {
+    p += 'h';
+    p += static_cast<char>(idx);
+  };
+  auto frame = [&](const std::string& name, const std::string& file, int line) {
+    p += "}";
+    const int m = put();
+    p += "(";
+    str("name"); str(name); str("filename"); str(file); str("line"); p += 'K'; p += static_cast<char>(line);
+    p += "u";
+    return m;
+  };
+  p += "}";
+  put();
+  p += "(";
+  str("segments"); p += "]"; put();
+  str("device_traces"); p += "]"; put(); p += "]"; put(); p += "(";
+  p += "}"; put(); p += "(";
+  str("action"); str("alloc"); str("addr"); p += "K\x40"; str("size"); p += "K\x20";
+  str("frames"); p += "]";
+  const int frames = put();
+  p += "(";
+  const int alloc_frame = frame("CUDACachingAllocator::malloc", "", 0);
+  frame("at::native::mm", "", 0);
+  frame("forward", "model.py", 7);
+  get(alloc_frame);
+  p += "eu";
+  p += "}"; put(); p += "(";
+  str("action"); str("free_completed"); str("addr"); p += "K\x40"; str("size"); p += "K\x20";
+  str("frames"); get(frames);
+  p += "ueau.";
+  const auto s = parse_snapshot(p);
+  ASSERT_EQ(s.traces.size(), 2u);
+  EXPECT_EQ(s.traces[0].stack, s.traces[1].stack);
+  const auto& f = s.frames(s.traces[1]);
+  ASSERT_EQ(f.size(), 2u);
+  EXPECT_EQ(f[0].filename, "model.py");
+  EXPECT_EQ(f[0].line, 7);
+  EXPECT_EQ(f[1].name, "at::native::mm");
+  EXPECT_EQ(trainmem::frame_label(f), "model.py:7 forward");
+  EXPECT_TRUE(s.frames(trainmem::TraceEntry{}).empty());
+}
+
 TEST(SnapshotTest, ReadMissingFileNamesIt) {
   try {
     trainmem::read_snapshot("/nonexistent/x.pickle");

@@ -40,7 +40,9 @@ struct TraceEntry {
   int64_t stream = 0;
   int64_t device = 0;
   int64_t time_us = 0;
-  std::vector<SnapshotFrame> frames;  ///< the Python frames first, at most kSnapshotFrames
+  /// Index into Snapshot::stacks of the frames kept (-1: none recorded);
+  /// read them with Snapshot::frames(entry).
+  int32_t stack = -1;
 };
 
 /// One block of a recorded segment.
@@ -69,8 +71,15 @@ struct SnapshotSegment {
 struct Snapshot {
   std::vector<SnapshotSegment> segments;
   std::vector<TraceEntry> traces;  ///< device 0's trace (the first non-empty one)
+  /// The distinct stacks of the trace, each the Python frames first, then
+  /// C++ frames past the allocator's plumbing, at most kSnapshotFrames: a
+  /// training loop repeats its stacks, so a million entries share a few.
+  std::vector<std::vector<SnapshotFrame>> stacks;
   /// `allocator_settings["PYTORCH_CUDA_ALLOC_CONF"]` when recorded.
   std::optional<std::string> alloc_conf;
+
+  /// The frames kept of `entry` (empty when none were recorded).
+  const std::vector<SnapshotFrame>& frames(const TraceEntry& entry) const;
 };
 
 /// How many frames each trace entry keeps.
