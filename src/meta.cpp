@@ -36,6 +36,7 @@
 #include <torch/serialize/input-archive.h>
 
 #include "detail/conv_scratch.h"
+#include "detail/cpu_probe.h"
 #include "detail/intercept.h"
 #include "trainmem/allocator.h"
 #include "detail/process_library.h"
@@ -54,7 +55,104 @@
 // nothing (and draw no random numbers), ops on real tensors stay real.
 
 namespace trainmem {
+namespace detail {
+
+// Note [CPU convolution scratch]: how probes work.
 namespace {
+constexpr int64_t kMaxProbeBytes = int64_t{1} << 30;
+} // namespace
+
+bool probing_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TRAINMEM_CONV_SCRATCH");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on && conv_scratch_on_meta();
+}
+
+std::string probe_key(const at::Tensor& t) {
+  if (!t.defined()) {
+    return "-";
+  }
+  return fmt::format("{}[{}/{}]", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","),
+                     fmt::join(t.strides(), ","));
+}
+
+at::Tensor cpu_twin(const at::Tensor& t) {
+  if (!t.defined()) {
+    return t;
+  }
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kCPU)).zero_();
+}
+
+int64_t probe_storage_bytes(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+std::optional<CpuProbe> cpu_probe(const std::string& key, int64_t probe_bytes, const ProbeRun& run) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, std::optional<CpuProbe>> cache;
+  const std::string full = fmt::format("{}|threads {}|mkldnn {}", key, at::get_num_threads(),
+                                       at::globalContext().userEnabledMkldnn());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(full); it != cache.end()) {
+      return it->second;
+    }
+  }
+  std::optional<CpuProbe> probe;
+  if (probe_bytes <= kMaxProbeBytes) {
+    auto& tracker = CpuMemoryTracker::install();
+    std::optional<PeakWindow> window;
+    const auto outs = run([&] { window.emplace(tracker); });
+    TORCH_INTERNAL_ASSERT(window.has_value());
+    probe.emplace();
+    int64_t out_bytes = 0;
+    for (const auto& o : outs) {
+      out_bytes += probe_storage_bytes(o);
+      probe->outputs.push_back(o.defined() ? ProbedTensor{true, o.sizes().vec(), o.strides().vec(), o.scalar_type()}
+                                           : ProbedTensor{});
+    }
+    probe->scratch_bytes = std::max<int64_t>(0, window->peak_bytes() - window->start_bytes() - out_bytes);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache.emplace(full, probe);
+  return probe;
+}
+
+int64_t cpu_scratch(const std::string& key, int64_t probe_bytes, const ProbeRun& run) {
+  const auto probe = cpu_probe(key, probe_bytes, run);
+  if (!probe) {
+    TORCH_WARN_ONCE("trainmem: a convolution's CPU scratch was not measured (its probe would take ",
+                    probe_bytes, " B, above ", kMaxProbeBytes,
+                    " B): predicted peaks leave it out (Note [CPU convolution scratch])");
+    return 0;
+  }
+  return probe->scratch_bytes;
+}
+
+at::Tensor hold_meta_bytes(int64_t bytes) {
+  return bytes > 0 ? at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta)) : at::Tensor();
+}
+
+at::Tensor meta_like(const ProbedTensor& t, const at::TensorOptions& options) {
+  if (!t.defined) {
+    return at::Tensor();
+  }
+  return at::empty_strided(t.sizes, t.strides, options.dtype(t.dtype).device(at::kMeta));
+}
+
+} // namespace detail
+
+namespace {
+
+using detail::cpu_scratch;
+using detail::cpu_twin;
+using detail::hold_meta_bytes;
+using detail::probe_key;
+using detail::probe_storage_bytes;
+using detail::probing_enabled;
+
 
 thread_local int tls_meta_guards = 0;
 
@@ -238,75 +336,6 @@ at::MemoryFormat conv_memory_format(const at::Tensor& input, const at::Tensor& w
 // counted. TRAINMEM_CONV_SCRATCH=0 turns probing off (meta then allocates the
 // outputs only, as before), and a CUDA prediction turns it off on its thread
 // (detail/conv_scratch.h: cuDNN's workspaces are not the CPU's).
-constexpr int64_t kMaxProbeBytes = int64_t{1} << 30;
-
-bool probing_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("TRAINMEM_CONV_SCRATCH");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on && detail::conv_scratch_on_meta();
-}
-
-std::string probe_key(const at::Tensor& t) {
-  if (!t.defined()) {
-    return "-";
-  }
-  return fmt::format("{}[{}/{}]", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","),
-                     fmt::join(t.strides(), ","));
-}
-
-at::Tensor cpu_twin(const at::Tensor& t) {
-  if (!t.defined()) {
-    return t;
-  }
-  return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kCPU)).zero_();
-}
-
-int64_t probe_storage_bytes(const at::Tensor& t) {
-  return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
-}
-
-// The scratch of one CPU call: run() makes the CPU inputs (before the
-// window), then calls the op and returns its outputs.
-int64_t cpu_scratch(const std::string& key, int64_t probe_bytes,
-                    const std::function<std::vector<at::Tensor>(const std::function<void()>&)>& run) {
-  static std::mutex mu;
-  static std::unordered_map<std::string, int64_t> cache;
-  const std::string full = fmt::format("{}|threads {}|mkldnn {}", key, at::get_num_threads(),
-                                       at::globalContext().userEnabledMkldnn());
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cache.find(full); it != cache.end()) {
-      return it->second;
-    }
-  }
-  int64_t scratch = 0;
-  if (probe_bytes > kMaxProbeBytes) {
-    TORCH_WARN_ONCE("trainmem: a convolution's CPU scratch was not measured (its probe would take ",
-                    probe_bytes, " B, above ", kMaxProbeBytes,
-                    " B): predicted peaks leave it out (Note [CPU convolution scratch])");
-  } else {
-    auto& tracker = CpuMemoryTracker::install();
-    std::optional<PeakWindow> window;
-    const auto outs = run([&] { window.emplace(tracker); });
-    TORCH_INTERNAL_ASSERT(window.has_value());
-    int64_t out_bytes = 0;
-    for (const auto& o : outs) {
-      out_bytes += probe_storage_bytes(o);
-    }
-    scratch = std::max<int64_t>(0, window->peak_bytes() - window->start_bytes() - out_bytes);
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  cache.emplace(full, scratch);
-  return scratch;
-}
-
-// Holds `bytes` on meta until it goes out of scope (see the Note).
-at::Tensor hold_meta_bytes(int64_t bytes) {
-  return bytes > 0 ? at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta)) : at::Tensor();
-}
-
 at::Tensor convolution_meta(const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                             at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
@@ -602,6 +631,7 @@ void register_missing_meta_kernels() {
           lib->impl(qualified.c_str(), std::move(fn));
         }
       };
+      detail::register_rnn_meta_kernels(*lib);  // Note [Meta RNNs follow the CPU's kernel]
       add("aten::convolution", "", TORCH_FN(convolution_meta));
       add("aten::convolution_backward", "", TORCH_FN(convolution_backward_meta));
       add("aten::native_batch_norm", "", TORCH_FN(native_batch_norm_meta));
