@@ -180,16 +180,39 @@ void protect_cached_storages(SelectiveCache& c, const c10::FunctionSchema& schem
     auto [first, last] = c.by_storage.equal_range(written);
     for (auto it = first; it != last; ++it) {
       auto& entry = c.cache[it->second.first][it->second.second];
+      at::NoGradGuard no_grad;
+      c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
       for (auto& v : entry.values) {
-        if (v.isTensor() && v.toTensor().has_storage() &&
-            v.toTensor().storage().unsafeGetStorageImpl() == written) {
-          at::NoGradGuard no_grad;
-          c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
-          v = v.toTensor().clone();
+        if (v.isTensor()) {
+          if (v.toTensor().has_storage() && v.toTensor().storage().unsafeGetStorageImpl() == written) {
+            v = v.toTensor().clone();
+          }
+          continue;
         }
+        // A list of views of one storage (an LSTM or GRU cell's unsafe_chunk
+        // of its gates, which sigmoid_ and add_ then write): one copy of the
+        // storage, and the same views of it, so the replayed chunks keep
+        // their strides (a contiguous clone would change how the kernels
+        // that read them vectorize, and the gradients' last bits).
+        c10::Storage copy;
+        v = map_tensors(v, [&](const at::Tensor& t) {
+          if (!t.defined() || !t.has_storage() || t.storage().unsafeGetStorageImpl() != written) {
+            return t;
+          }
+          if (!copy) {
+            const auto bytes = at::empty({static_cast<int64_t>(t.storage().nbytes())},
+                                         t.options().dtype(at::kByte));
+            bytes.copy_(at::empty({0}, t.options().dtype(at::kByte))
+                            .set_(t.storage(), 0, {static_cast<int64_t>(t.storage().nbytes())}, {1}));
+            copy = bytes.storage();
+          }
+          return at::empty({0}, t.options()).set_(copy, t.storage_offset(), t.sizes(), t.strides());
+        });
       }
       entry.mutated_in_region = true;
       entry.versions.assign(entry.versions.size(), 0);
+      SelectiveAccess::count(c.stats.get(), it->second.first,
+                             [](SelectiveOpCounts& n, int64_t) { ++n.num_copied_for_inplace; });
     }
     c.by_storage.erase(written);
   }

@@ -70,6 +70,11 @@ struct SelectiveOpCounts {
   int64_t num_replayed = 0;           ///< recompute calls served from the cache
   int64_t num_recompute_executed = 0; ///< recompute calls executed again
   int64_t cached_bytes = 0;           ///< bytes of cached outputs (storages)
+  /// Cached outputs the cache copied because an in-place op of the region
+  /// then wrote their storage (a Linear's bias add_ on its mm, an LSTM
+  /// cell's sigmoid_ on its gates): the replay hands back the values as
+  /// cached, not as written.
+  int64_t num_copied_for_inplace = 0;
 };
 
 /// Per-op counts, filled by the regions that share it. Thread-safe.
