@@ -15,6 +15,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/native_batch_norm.h>
+#include <ATen/ops/native_batch_norm_backward.h>
 #include <ATen/core/Reduction.h>
 #include <ATen/native/Pool.h>
 #include <c10/core/WrapDimMinimal.h>
@@ -123,8 +125,8 @@ std::optional<CpuProbe> cpu_probe(const std::string& key, int64_t probe_bytes, c
 int64_t cpu_scratch(const std::string& key, int64_t probe_bytes, const ProbeRun& run) {
   const auto probe = cpu_probe(key, probe_bytes, run);
   if (!probe) {
-    TORCH_WARN_ONCE("trainmem: a convolution's CPU scratch was not measured (its probe would take ",
-                    probe_bytes, " B, above ", kMaxProbeBytes,
+    TORCH_WARN_ONCE("trainmem: a convolution's or batch norm's CPU scratch was not measured (its probe ",
+                    "would take ", probe_bytes, " B, above ", kMaxProbeBytes,
                     " B): predicted peaks leave it out (Note [CPU convolution scratch])");
     return 0;
   }
@@ -333,7 +335,8 @@ at::MemoryFormat conv_memory_format(const at::Tensor& input, const at::Tensor& w
 // CPU's did. One probe per distinct call (sizes, strides, dtypes, arguments,
 // thread count), cached for the process. A probe whose tensors would take
 // more than kMaxProbeBytes is skipped with one warning: its scratch is not
-// counted. TRAINMEM_CONV_SCRATCH=0 turns probing off (meta then allocates the
+// counted. Batch norm is probed the same way (Note [CPU batch norm
+// scratch]). TRAINMEM_CONV_SCRATCH=0 turns probing off (meta then allocates the
 // outputs only, as before), and a CUDA prediction turns it off on its thread
 // (detail/conv_scratch.h: cuDNN's workspaces are not the CPU's).
 at::Tensor convolution_meta(const at::Tensor& input, const at::Tensor& weight,
@@ -459,13 +462,59 @@ at::ScalarType batch_norm_param_dtype(const at::Tensor& input, const std::option
   return input.scalar_type();
 }
 
+// Note [CPU batch norm scratch]
+// The CPU's batch norm allocates inside the op too (Note [CPU convolution
+// scratch]), and its backward a whole gradient's worth:
+// batch_norm_backward_cpu_template allocates grad_input, then, on its
+// contiguous path (input and grad_out contiguous in one memory format, the
+// common case), allocates it again and drops the first, so for a moment two
+// input-sized tensors are live; the forward's statistics are made twice
+// (a few hundred bytes). With meta kernels that allocated the outputs only, a
+// conv + BatchNorm net's prediction was an input's size under the CPU's peak
+// wherever a BatchNorm backward was the peak: a checkpointed conv + BatchNorm
+// segment's recompute on 8 x 16 x 160 x 160 was 13 MB over its plan (issue
+// 22). The meta kernels measure it as the convolutions do: one probe per
+// distinct call on zero-filled CPU tensors (values do not change what the
+// kernel allocates), cached, held on meta while the outputs are allocated.
+// Running statistics given to a probe are copies: the model's are untouched.
+std::string optional_probe_key(const std::optional<at::Tensor>& t) {
+  return probe_key(t.has_value() ? *t : at::Tensor());
+}
+
+std::optional<at::Tensor> optional_cpu_twin(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? std::optional<at::Tensor>(cpu_twin(*t)) : std::nullopt;
+}
+
+int64_t optional_probe_bytes(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? probe_storage_bytes(*t) : 0;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm_meta(
     const at::Tensor& input, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& /*bias*/, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& /*running_var*/, bool training, double /*momentum*/,
-    double /*eps*/) {
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, bool training, double momentum,
+    double eps) {
   TORCH_CHECK(input.dim() >= 2, "batch_norm (meta): expected an input of at least 2 dims, but got ",
               input.sizes());
+  int64_t scratch = 0;
+  if (probing_enabled()) {
+    const int64_t params = optional_probe_bytes(weight) + optional_probe_bytes(bias) +
+        optional_probe_bytes(running_mean) + optional_probe_bytes(running_var);
+    scratch = cpu_scratch(
+        fmt::format("native_batch_norm {} {} {} {} {} t{}", probe_key(input), optional_probe_key(weight),
+                    optional_probe_key(bias), optional_probe_key(running_mean),
+                    optional_probe_key(running_var), training),
+        2 * probe_storage_bytes(input) + 2 * params,
+        [&](const std::function<void()>& open) {
+          const auto i = cpu_twin(input);
+          const auto w = optional_cpu_twin(weight), b = optional_cpu_twin(bias);
+          const auto rm = optional_cpu_twin(running_mean), rv = optional_cpu_twin(running_var);
+          open();
+          auto [out, mean, invstd] = at::native_batch_norm(i, w, b, rm, rv, training, momentum, eps);
+          return std::vector<at::Tensor>{out, mean, invstd};
+        });
+  }
+  const auto held = hold_meta_bytes(scratch);  // Note [CPU batch norm scratch]
   const auto stats = input.options().dtype(batch_norm_param_dtype(input, weight, running_mean));
   auto out = at::empty(input.sizes(), input.options().memory_format(input.suggest_memory_format()));
   const int64_t c = training ? input.size(1) : 0;
@@ -474,9 +523,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm_meta(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& /*running_var*/,
-    const std::optional<at::Tensor>& /*save_mean*/, const std::optional<at::Tensor>& /*save_invstd*/,
-    bool /*train*/, double /*eps*/, std::array<bool, 3> mask) {
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& save_mean, const std::optional<at::Tensor>& save_invstd,
+    bool train, double eps, std::array<bool, 3> mask) {
+  int64_t scratch = 0;
+  if (probing_enabled()) {
+    const int64_t params = optional_probe_bytes(weight) + optional_probe_bytes(running_mean) +
+        optional_probe_bytes(running_var) + optional_probe_bytes(save_mean) + optional_probe_bytes(save_invstd);
+    scratch = cpu_scratch(
+        fmt::format("native_batch_norm_backward {} {} {} {} {} {} {} t{} m{}{}{}", probe_key(grad_out),
+                    probe_key(input), optional_probe_key(weight), optional_probe_key(running_mean),
+                    optional_probe_key(running_var), optional_probe_key(save_mean),
+                    optional_probe_key(save_invstd), train, mask[0], mask[1], mask[2]),
+        probe_storage_bytes(grad_out) + 3 * probe_storage_bytes(input) + 3 * params,
+        [&](const std::function<void()>& open) {
+          const auto go = cpu_twin(grad_out), i = cpu_twin(input);
+          const auto w = optional_cpu_twin(weight), rm = optional_cpu_twin(running_mean),
+                     rv = optional_cpu_twin(running_var), sm = optional_cpu_twin(save_mean),
+                     si = optional_cpu_twin(save_invstd);
+          open();
+          auto [gi, gw, gb] = at::native_batch_norm_backward(go, i, w, rm, rv, sm, si, train, eps, mask);
+          return std::vector<at::Tensor>{gi, gw, gb};
+        });
+  }
+  const auto held = hold_meta_bytes(scratch);  // Note [CPU batch norm scratch]
   at::Tensor dx, dw, db;
   if (mask[0]) {
     dx = at::empty(input.sizes(), grad_out.options().memory_format(input.suggest_memory_format()));

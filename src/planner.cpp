@@ -1776,7 +1776,12 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
 //   forward of block i   Z + S_i + F_i
 //   backward of block i  Z + S_i + stored_i + G_>i + W_i
 //   loss head            Z + S_L + (its forward peak, or stored + backward)
-//   optimizer step       Z + G + AdamW transient
+//   optimizer step       Z - input + G + AdamW transient
+// The step makes its input (RegionModel::input) and nothing holds it past
+// backward, which frees it with the graph: in the optimizer step it is gone,
+// as it is in predict_step_peak() and on CPU (counting it there put a conv
+// net with a large head, whose peak is Adam's step, an input over the CPU's,
+// 2,457,600 B at 8 x 3 x 160 x 160; issue 22).
 // Every term grows with S_i, so a dynamic program over block boundaries
 // whose state is S_i, keeping states no other beats in S, cost and peak
 // (Pareto), is exact for this model. The cheapest final state within the
@@ -2152,7 +2157,8 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes + head.loss_bytes,
                  StepPhase::kBackward);
       if (has_optimizer) {
-        raise_peak(f, Z + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
+        // The input is not live any more (Note [Checkpoint planner]).
+        raise_peak(f, Z - input_bytes + grads + opt_prof.transient_bytes, StepPhase::kOptimizerStep);
       }
       if (goal == DpGoal::kPeak || f.peak <= limit) {
         r.finals.push_back(f);
