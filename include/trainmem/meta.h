@@ -96,8 +96,17 @@ class MetaInitGuard {
 /// `embedding_dense_backward`, `nll_loss2d_forward`/`_backward`,
 /// `mse_loss_backward`, `binary_cross_entropy` and its backward. (Max/avg
 /// pooling in 1-D/2-D, dropout, log-softmax and nll have LibTorch meta kernels
-/// already.) Idempotent; MetaInitGuard and to_meta() call it. Call it yourself
-/// before running a forward on meta tensors made otherwise.
+/// already.) Recurrent nets run the CPU's kernels on meta (Note [Meta RNNs
+/// follow the CPU's kernel]): `lstm` through oneDNN's `mkldnn_rnn_layer`
+/// where the CPU would (its workspace and scratch measured once per shape on
+/// zero-filled CPU tensors; a probe above 1 GiB is refused as a missing meta
+/// kernel), and `lstm` with projections, `gru`, `rnn_tanh`, `rnn_relu` and
+/// their packed-sequence forms through the CPU branch of the composite
+/// layers (every step's input projection at once); saved tensors, layouts
+/// and peaks equal the CPU's. A CUDA prediction keeps the composite path
+/// (cuDNN's RNN is neither). Idempotent; MetaInitGuard and to_meta() call
+/// it. Call it yourself before running a forward on meta tensors made
+/// otherwise.
 void register_meta_kernels();
 
 /// An op that has no kernel for meta tensors, as find_missing_meta_kernel()
