@@ -783,16 +783,37 @@ struct LeafGradKeeper : detail::InterceptHandler {
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
     const auto n = op.schema().arguments().size();
+    const at::Tensor* on_meta = nullptr;
+    const at::Tensor* on_cpu = nullptr;
+    size_t cpu_arg = 0;
     for (size_t i = stack->size() - std::min(n, stack->size()); i < stack->size(); ++i) {
       const auto& v = (*stack)[i];
+      auto see = [&](const at::Tensor& t) {
+        keep(t);
+        if (!t.defined() || t.dim() == 0) return;  // CPU scalars mix with any device
+        if (t.is_meta()) on_meta = &t;
+        if (t.is_cpu() && on_cpu == nullptr) {
+          on_cpu = &t;
+          cpu_arg = i - (stack->size() - std::min(n, stack->size()));
+        }
+      };
       if (v.isTensor()) {
-        keep(v.toTensor());
+        see(v.toTensor());
       } else if (v.isTensorList()) {
         for (const at::Tensor& t : v.toTensorList().vec()) {
-          keep(t);
+          see(t);
         }
       }
     }
+    // A module left on CPU meeting a meta input: the meta kernels would run
+    // it silently (or blame the op), and the prediction would be of nothing.
+    const auto& name = op.schema().name();
+    TORCH_CHECK(on_meta == nullptr || on_cpu == nullptr || name == "aten::copy_" || name == "aten::_to_copy" ||
+                    name == "aten::set_",
+                "find_missing_meta_kernel: ", name, " got a meta tensor and a cpu tensor (argument ", cpu_arg,
+                ", of size ", on_cpu ? on_cpu->sizes() : at::IntArrayRef{},
+                "): the module is not on the meta device. Move it with trainmem::to_meta(module); load a "
+                "TorchScript module onto meta with torch::jit::load(path, c10::Device(c10::kMeta))");
     scope.call_next(op, ks, stack);
   }
   void keep(const at::Tensor& t) {
@@ -836,6 +857,22 @@ struct MetaInitGuard::Impl : detail::InterceptHandler {
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op,
               c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
     rewrite_factory(op.schema(), stack);
+    // torch::jit::load reads each storage on CPU and sets it into a tensor
+    // the guard made on meta; LibTorch refuses that with a message about
+    // devices that does not say what to do.
+    if (op.schema().name() == "aten::set_") {
+      const auto& args = op.schema().arguments();
+      const size_t base = stack->size() - args.size();
+      for (size_t i = 1; i < args.size(); ++i) {
+        const auto& v = (*stack)[base + i];
+        const bool cpu_storage = (v.isStorage() && v.toStorage().device().is_cpu()) ||
+            (v.isTensor() && v.toTensor().defined() && v.toTensor().is_cpu());
+        TORCH_CHECK(!cpu_storage || !(*stack)[base].isTensor() || !(*stack)[base].toTensor().is_meta(),
+                    "MetaInitGuard: a CPU storage is being set into a tensor made on meta (torch::jit::load "
+                    "builds its tensors this way, and cannot run under the guard): load a TorchScript module "
+                    "onto meta with torch::jit::load(path, c10::Device(c10::kMeta)) outside the guard");
+      }
+    }
     scope.call_next(op, ks, stack);
   }
   std::optional<detail::InterceptScope> scope;

@@ -23,6 +23,7 @@
 #include <torch/nn/modules/rnn.h>
 #include <torch/nn/utils/rnn.h>
 #include <torch/nn/options/normalization.h>
+#include <torch/script.h>
 #include <torch/serialize.h>
 
 #include "trainmem/accountant.h"
@@ -342,6 +343,56 @@ TEST(MetaTest, LoadReportsMissingNamesAndShapeMismatches) {
 
 // The one interceptor serves both features at once: a selective region inside
 // a meta guard caches matmuls, and factory ops inside it still land on meta.
+// A TorchScript encoder (image captioning's): torch::jit::load cannot build
+// under the guard (it reads storages on CPU), and the guard says what to do;
+// loaded with a meta device it runs on meta and saves what the CPU saves; a
+// CPU-loaded one meeting a meta input is named as not on meta.
+TEST(MetaTest, TorchScriptLoadsOntoMetaAndTheGuardSaysHow) {
+  torch::manual_seed(0);
+  torch::jit::Module enc("Encoder");
+  enc.register_parameter("w", torch::randn({8, 3, 3, 3}), /*is_buffer=*/false);
+  enc.register_parameter("b", torch::randn({8}), false);
+  enc.define(R"(
+    def forward(self, x):
+        return torch.relu(torch.conv2d(x, self.w, self.b)).flatten(1)
+  )");
+  const auto path = (std::filesystem::temp_directory_path() / ("trainmem_enc_" + std::to_string(::getpid()) + ".pt")).string();
+  enc.save(path);
+  try {
+    trainmem::MetaInitGuard guard;
+    torch::jit::load(path);
+    ADD_FAILURE() << "torch::jit::load under the guard did not throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("torch::jit::load(path, c10::Device(c10::kMeta))"), std::string::npos)
+        << e.what();
+  }
+  auto saved_on = [&](c10::Device device) {
+    auto m = torch::jit::load(path, device);
+    for (const auto& p : m.parameters()) EXPECT_EQ(p.device(), device);
+    auto x = device.is_meta() ? at::empty({2, 3, 10, 10}, at::kMeta).requires_grad_()
+                              : at::randn({2, 3, 10, 10}).requires_grad_();
+    trainmem::SavedTensorMeter meter;
+    at::Tensor y;
+    {
+      trainmem::SavedTensorMeterGuard scope(meter);
+      y = m.forward({x}).toTensor();
+    }
+    EXPECT_EQ(y.sizes(), at::IntArrayRef({2, 8 * 8 * 8}));
+    return meter.report().saved_bytes;
+  };
+  const int64_t cpu = saved_on(at::kCPU);
+  EXPECT_EQ(saved_on(at::kMeta), cpu);
+  EXPECT_GT(cpu, 2 * 8 * 8 * 8 * 4);  // at least relu's output
+  auto on_cpu = torch::jit::load(path);
+  try {
+    trainmem::find_missing_meta_kernel([&] { on_cpu.forward({at::empty({2, 3, 10, 10}, at::kMeta)}); });
+    ADD_FAILURE() << "a CPU module on a meta input ran";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("the module is not on the meta device"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(MetaTest, SelectiveRegionInsideTheGuardComposes) {
   auto stats = std::make_shared<trainmem::SelectiveCheckpointStats>();
   auto opts = trainmem::CheckpointOptions().context_fn(

@@ -61,6 +61,13 @@ void to_meta(torch::nn::Module& module);
 /// `data_ptr()`, `torch::tensor({1, 2, 3})`), which throws on meta. Ops with no
 /// C++ Meta kernel throw on meta tensors; the guard first adds the few that
 /// LibTorch 2.13 lacks and models need (register_meta_kernels()).
+/// `torch::jit::load` cannot run under the guard (it reads each storage on
+/// CPU and sets it into a tensor the guard made on meta; the guard throws
+/// saying so): load a TorchScript module onto meta with
+/// `torch::jit::load(path, c10::Device(c10::kMeta))` instead (its tensors are
+/// read once and moved, one at a time). A module left on CPU that meets a
+/// meta input is named by find_missing_meta_kernel() ("the module is not on
+/// the meta device").
 /// Guards nest; they must end in reverse order of construction.
 ///
 /// Example:
@@ -126,8 +133,11 @@ struct MissingMetaKernel {
 /// operator with Meta tensors, but there was no fake impl or Meta kernel
 /// registered", or, from a composite kernel, "x_overrideable not
 /// implemented"; any c10::NotImplementedError counts, with `op` "" if it names
-/// none), or nullopt if `run` returned. Any other error propagates. A planner uses it to fall back to profiling that region
-/// on CPU at the planned shapes instead of failing the whole plan.
+/// none), or nullopt if `run` returned. Any other error propagates; an op
+/// that gets both a meta tensor and a CPU one (not a 0-dim scalar) throws,
+/// naming it: the module was left on CPU. A planner uses it to fall back to
+/// profiling that region on CPU at the planned shapes instead of failing
+/// the whole plan.
 ///
 /// Example:
 /// ```
