@@ -30,7 +30,9 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -41,7 +43,9 @@
 #include "trainmem/meter.h"
 #include "trainmem/offload.h"
 #include "trainmem/optimizer_in_backward.h"
+#include "trainmem/planner.h"
 #include "trainmem/report.h"
+#include "region_planner_check.h"
 
 namespace {
 
@@ -765,6 +769,141 @@ TEST(AuditTrainersTest, LongRunsAreSummarizedNotListed) {
   EXPECT_EQ(s4.peak_bytes.median, 2);
   EXPECT_EQ(s4.peak_bytes.max, 5);
   EXPECT_THROW(trainmem::summarize_steps({}), c10::Error);
+}
+
+// ---- recurrent loops (issue 22): each audited against its Python twin and planned
+
+// word_language_model's shape: Embedding -> 2-layer LSTM -> Linear, truncated
+// BPTT with the state carried (detached) from step to step.
+struct WordLmImpl : torch::nn::Module {
+  torch::nn::Embedding emb{register_module("emb", torch::nn::Embedding(1000, 64))};
+  torch::nn::LSTM lstm{register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(64, 128).num_layers(2).dropout(0.2)))};
+  torch::nn::Linear out{register_module("out", torch::nn::Linear(128, 1000))};
+};
+TORCH_MODULE(WordLm);
+
+TEST(AuditTrainersTest, TruncatedBpttWithCarriedStateMatchesPythonAndPlans) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  constexpr int kSteps = 3;
+  torch::manual_seed(0);
+  WordLm model;
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  trainmem::Audit audit(*model, &opt, torch::kCPU);
+  std::optional<std::tuple<at::Tensor, at::Tensor>> state;
+  std::vector<int64_t> process_peaks;
+  for (int i = 0; i < kSteps; ++i) {
+    auto x = torch::randint(0, 1000, {20, 8});
+    auto y = torch::randint(0, 1000, {20 * 8});
+    if (state) state = std::make_tuple(std::get<0>(*state).detach(), std::get<1>(*state).detach());
+    std::optional<trainmem::PeakWindow> window;
+    {
+      auto audited = audit.step();
+      window.emplace(tracker);
+      opt.zero_grad();
+      auto [h, next] = model->lstm->forward(model->emb->forward(x), state);
+      state = next;
+      auto loss = torch::cross_entropy_loss(model->out->forward(h).flatten(0, 1), y);
+      loss.backward();
+      opt.step();
+    }
+    process_peaks.push_back(window->peak_bytes());
+  }
+  const auto r = audit.report();
+  for (int i = 0; i < kSteps; ++i) {
+    // The carried state (made in the step before) is no second count: the
+    // step's peak never exceeds the allocator's over the same window.
+    EXPECT_LE(r.steps[i].peak_bytes, process_peaks[i]) << "step " << i;
+  }
+  // The plan of the same model (a fresh zero state), region by region.
+  trainmem::RegionModel m;
+  m.regions = {trainmem::Region("emb", [model](const at::Tensor& t) mutable { return model->emb->forward(t); },
+                                {model->emb.ptr()}),
+               trainmem::Region("lstm", [model](const at::Tensor& t) mutable { return std::get<0>(model->lstm->forward(t)); },
+                                {model->lstm.ptr()}),
+               trainmem::Region("out", [model](const at::Tensor& t) mutable { return model->out->forward(t).flatten(0, 1); },
+                                {model->out.ptr()})};
+  m.input = [](c10::Device d) {
+    return d.is_meta() ? at::empty({20, 8}, at::TensorOptions().dtype(at::kLong).device(d))
+                       : at::randint(1000, {20, 8}, at::TensorOptions().dtype(at::kLong));
+  };
+  m.loss = [](const at::Tensor& logits) {
+    return at::cross_entropy_loss(logits, at::zeros({logits.size(0)}, logits.options().dtype(at::kLong)));
+  };
+  m.optimizer = &opt;
+  trainmem::testing::check_model("word LM", *model, m, &opt);
+  if (!have_python()) {
+    GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
+  }
+  const auto py = oracle("bptt " + std::to_string(kSteps));
+  EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
+  EXPECT_EQ(storage_bytes(model->parameters()), py.at("param_bytes").get<int64_t>());
+}
+
+// Image captioning's decoder: an LSTMCell unrolled over a 12-step caption.
+struct DecoderImpl : torch::nn::Module {
+  torch::nn::Linear embed{register_module("embed", torch::nn::Linear(16, 48))};
+  torch::nn::LSTMCell cell{register_module("cell", torch::nn::LSTMCell(48, 48))};
+  torch::nn::Linear head{register_module("head", torch::nn::Linear(48, 10))};
+  at::Tensor unroll(const at::Tensor& x) {
+    std::optional<std::tuple<at::Tensor, at::Tensor>> state;
+    std::vector<at::Tensor> hs;
+    for (int64_t t = 0; t < x.size(1); ++t) {
+      state = cell->forward(x.select(1, t), state);
+      hs.push_back(std::get<0>(*state));
+    }
+    return at::stack(hs, 1);
+  }
+};
+TORCH_MODULE(Decoder);
+
+TEST(AuditTrainersTest, RecurrentDecoderMatchesPythonAndPlans) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  constexpr int kSteps = 3;
+  torch::manual_seed(0);
+  Decoder model;
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  trainmem::Audit audit(*model, &opt, torch::kCPU);
+  std::vector<int64_t> process_peaks;
+  for (int i = 0; i < kSteps; ++i) {
+    auto x = torch::randn({32, 12, 16});
+    auto y = torch::randint(0, 10, {32});
+    std::optional<trainmem::PeakWindow> window;
+    {
+      auto audited = audit.step();
+      window.emplace(tracker);
+      opt.zero_grad();
+      auto h = model->unroll(torch::tanh(model->embed->forward(x)));
+      auto loss = torch::cross_entropy_loss(model->head->forward(h.mean(1)), y);
+      loss.backward();
+      opt.step();
+    }
+    process_peaks.push_back(window->peak_bytes());
+  }
+  const auto r = audit.report();
+  for (int i = 0; i < kSteps; ++i) EXPECT_LE(r.steps[i].peak_bytes, process_peaks[i]) << "step " << i;
+  trainmem::RegionModel m;
+  m.regions = {
+      trainmem::Region("embed", [model](const at::Tensor& t) mutable { return torch::tanh(model->embed->forward(t)); },
+                       {model->embed.ptr()}),
+      trainmem::Region("decoder", [model](const at::Tensor& t) mutable { return model->unroll(t); },
+                       {model->cell.ptr()}),
+      trainmem::Region("head", [model](const at::Tensor& t) mutable { return model->head->forward(t.mean(1)); },
+                       {model->head.ptr()})};
+  m.input = [](c10::Device d) { return at::randn({32, 12, 16}, at::TensorOptions().device(d)); };
+  m.loss = [](const at::Tensor& logits) {
+    return at::cross_entropy_loss(logits, at::zeros({logits.size(0)}, logits.options().dtype(at::kLong)));
+  };
+  m.optimizer = &opt;
+  trainmem::testing::check_model("decoder", *model, m, &opt);
+  if (!have_python()) {
+    GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
+  }
+  const auto py = oracle("decoder " + std::to_string(kSteps));
+  EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
+  EXPECT_EQ(storage_bytes(model->parameters()), py.at("param_bytes").get<int64_t>());
+  int64_t state = 0;  // Adam's exp_avg and exp_avg_sq, a bucket each
+  for (const auto& b : r.buckets) state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  EXPECT_EQ(state, py.at("state_bytes").get<int64_t>());
 }
 
 } // namespace

@@ -10,6 +10,8 @@ trainmem's Audit reports it). Prints one JSON document.
   saved_bytes.py mnist STEPS
   saved_bytes.py dcgan STEPS
   saved_bytes.py trunk STEPS TRUNK_PATH   (also saves the scripted trunk there)
+  saved_bytes.py bptt STEPS      (embedding + 2-layer LSTM LM, truncated BPTT, state carried)
+  saved_bytes.py decoder STEPS   (an LSTMCell decoder unrolled over 12 steps)
 """
 import json
 import sys
@@ -211,8 +213,80 @@ def trunk(steps, path):
     return out
 
 
+class WordLm(nn.Module):  # an embedding + LSTM language model (word_language_model's shape)
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2, dropout=0.2)
+        self.out = nn.Linear(128, 1000)
+
+    def forward(self, x, state):
+        h, state = self.lstm(self.emb(x), state)
+        return self.out(h), state
+
+
+def bptt(steps):
+    torch.manual_seed(0)
+    model = WordLm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    meter = Meter([model])
+    out = {"saved_bytes": []}
+    state = None
+    for _ in range(steps):
+        x = torch.randint(0, 1000, (20, 8))
+        y = torch.randint(0, 1000, (20 * 8,))
+        if state is not None:
+            state = tuple(s.detach() for s in state)  # truncated BPTT: the state carries, its graph does not
+        opt.zero_grad()
+        with meter.hooks():
+            logits, state = model(x, state)
+            loss = F.cross_entropy(logits.flatten(0, 1), y)
+        meter.backward(loss)
+        opt.step()
+        out["saved_bytes"].append(meter.take_step())
+    out["param_bytes"] = nbytes(model.parameters())
+    return out
+
+
+class Decoder(nn.Module):  # image captioning's decoder: an LSTMCell unrolled over the caption
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 48)
+        self.cell = nn.LSTMCell(48, 48)
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x):
+        x = torch.tanh(self.embed(x))
+        state, hs = None, []
+        for t in range(x.size(1)):
+            state = self.cell(x[:, t], state)
+            hs.append(state[0])
+        return self.head(torch.stack(hs, 1).mean(1))
+
+
+def decoder(steps):
+    torch.manual_seed(0)
+    model = Decoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    meter = Meter([model])
+    out = {"saved_bytes": []}
+    for _ in range(steps):
+        x = torch.randn(32, 12, 16)
+        y = torch.randint(0, 10, (32,))
+        opt.zero_grad()
+        with meter.hooks():
+            loss = F.cross_entropy(model(x), y)
+        meter.backward(loss)
+        opt.step()
+        out["saved_bytes"].append(meter.take_step())
+    out["param_bytes"] = nbytes(model.parameters())
+    out["state_bytes"] = state_bytes(opt)
+    return out
+
+
 if __name__ == "__main__":
     which, steps = sys.argv[1], int(sys.argv[2])
     result = {"mnist": lambda: mnist(steps), "dcgan": lambda: dcgan(steps),
-              "trunk": lambda: trunk(steps, sys.argv[3])}[which]()
+              "trunk": lambda: trunk(steps, sys.argv[3]), "bptt": lambda: bptt(steps),
+              "decoder": lambda: decoder(steps)}[which]()
     print(json.dumps(result))
