@@ -1,0 +1,86 @@
+// The audit's overhead on real loop shapes (issue 22): a step of a few
+// milliseconds, plain and inside Audit::step(). Reported as ratios to the
+// plain step in docs/benchmarks.md (goal <= 1.05x); never asserted in tests.
+#include <benchmark/benchmark.h>
+
+#include <optional>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "trainmem/allocator.h"
+#include "trainmem/audit.h"
+
+namespace {
+
+// word_language_model's shape, truncated BPTT with the state carried.
+struct WordLm : torch::nn::Module {
+  torch::nn::Embedding emb{register_module("emb", torch::nn::Embedding(1000, 64))};
+  torch::nn::LSTM lstm{register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(64, 128).num_layers(2)))};
+  torch::nn::Linear out{register_module("out", torch::nn::Linear(128, 1000))};
+  torch::optim::SGD opt{parameters(), torch::optim::SGDOptions(0.1)};
+  std::optional<std::tuple<at::Tensor, at::Tensor>> state;
+  at::Tensor x = torch::randint(0, 1000, {20, 8});
+  at::Tensor y = torch::randint(0, 1000, {20 * 8});
+  void step() {
+    if (state) state = std::make_tuple(std::get<0>(*state).detach(), std::get<1>(*state).detach());
+    opt.zero_grad();
+    auto [h, next] = lstm->forward(emb->forward(x), state);
+    state = next;
+    torch::cross_entropy_loss(out->forward(h).flatten(0, 1), y).backward();
+    opt.step();
+  }
+  torch::optim::Optimizer& optimizer() { return opt; }
+};
+
+// Image captioning's decoder: an LSTMCell unrolled over 12 steps.
+struct Decoder : torch::nn::Module {
+  torch::nn::Linear embed{register_module("embed", torch::nn::Linear(16, 48))};
+  torch::nn::LSTMCell cell{register_module("cell", torch::nn::LSTMCell(48, 48))};
+  torch::nn::Linear head{register_module("head", torch::nn::Linear(48, 10))};
+  torch::optim::Adam opt{parameters(), torch::optim::AdamOptions(1e-3)};
+  at::Tensor x = torch::randn({32, 12, 16});
+  at::Tensor y = torch::randint(0, 10, {32});
+  void step() {
+    opt.zero_grad();
+    auto e = torch::tanh(embed->forward(x));
+    std::optional<std::tuple<at::Tensor, at::Tensor>> s;
+    std::vector<at::Tensor> hs;
+    for (int64_t t = 0; t < e.size(1); ++t) {
+      s = cell->forward(e.select(1, t), s);
+      hs.push_back(std::get<0>(*s));
+    }
+    torch::cross_entropy_loss(head->forward(at::stack(hs, 1).mean(1)), y).backward();
+    opt.step();
+  }
+  torch::optim::Optimizer& optimizer() { return opt; }
+};
+
+// Arg 0: plain; 1: audited (the counting allocator is installed in both).
+template <typename Model>
+void BM_Loop(benchmark::State& state) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  Model m;
+  std::optional<trainmem::Audit> audit;
+  if (state.range(0) == 1) audit.emplace(m, &m.optimizer(), torch::kCPU);
+  state.SetLabel(state.range(0) == 1 ? "audited" : "plain");
+  for (auto _ : state) {
+    if (audit) {
+      auto audited = audit->step();
+      m.step();
+    } else {
+      m.step();
+    }
+  }
+}
+BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
+} // namespace
