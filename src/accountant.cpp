@@ -36,6 +36,8 @@ struct ParamScan {
   int64_t num_trainable = 0;
   int64_t trainable_bytes = 0;
   StorageSet grads;
+  StorageSet buffers;
+  int64_t num_buffers = 0;
   std::unordered_set<const c10::TensorImpl*> impls;
 };
 
@@ -55,6 +57,13 @@ ParamScan scan_params(const torch::nn::Module& module) {
     }
     if (p.grad().defined()) {
       scan.grads.add(p.grad());
+    }
+  }
+  // After the parameters: a buffer on a parameter's storage is counted there
+  // once, not twice.
+  for (const auto& b : module.buffers(/*recurse=*/true)) {
+    if (b.defined() && !scan.params.contains(b) && scan.buffers.add(b)) {
+      ++scan.num_buffers;
     }
   }
   return scan;
@@ -237,6 +246,8 @@ StaticBuckets buckets_from(const ParamScan& scan) {
   b.num_params = scan.num_params;
   b.num_trainable_params = scan.num_trainable;
   b.param_bytes = scan.params.bytes();
+  b.buffer_bytes = scan.buffers.bytes();
+  b.num_buffers = scan.num_buffers;
   b.grad_bytes = scan.grads.bytes();
   b.predicted_grad_bytes = scan.trainable_bytes;
   return b;
@@ -304,6 +315,10 @@ std::string to_string(const StaticBuckets& b) {
   out += fmt::format("parameters       {:>16} B  ({} elements, {} trainable)\n",
                      with_commas(b.param_bytes), with_commas(b.num_params),
                      with_commas(b.num_trainable_params));
+  if (b.num_buffers > 0) {
+    out += fmt::format("buffers          {:>16} B  ({} tensors)\n", with_commas(b.buffer_bytes),
+                       b.num_buffers);
+  }
   out += fmt::format("gradients        {:>16} B  (predicted {} B)\n",
                      with_commas(b.grad_bytes), with_commas(b.predicted_grad_bytes));
   if (!b.optimizer.empty()) {

@@ -35,9 +35,9 @@
 
 // Note [Categories from lifetimes]
 // The allocator sees bytes, not meaning. An allocation's category follows
-// from the storages we can name when the step ends (parameters of every
-// audited module, their gradients, every added optimizer's state, labelled
-// tensors, inputs) and otherwise from when it was made and how long it
+// from the storages we can name when the step ends (parameters and buffers
+// of every audited module, their gradients, every added optimizer's state,
+// labelled tensors, inputs) and otherwise from when it was made and how long it
 // lived. Made in forward and still alive when backward starts: ACTIVATION
 // (what autograd saved, the output, the loss). Made and freed before that,
 // or within backward or an optimizer step: TEMPORARY. Alive at the step's
@@ -221,7 +221,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     return out;
   }
 
-  // Buffers (BatchNorm's running statistics): PARAMETER on the timeline.
+  // Buffers (BatchNorm's running statistics): BUFFER on the timeline and a
+  // bucket of their own, so that the peak's categories and the static
+  // buckets name the same bytes.
   std::vector<at::Tensor> buffers() const {
     std::vector<at::Tensor> out;
     for (const auto* m : modules) {
@@ -249,6 +251,14 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     // bytes are their own bucket, taken out of the parameters' below).
     for (const auto& t : optimized_inputs) {
       u->register_parameter(fmt::format("p{}", i++), t, true);
+    }
+    // Buffers, for the buffer bucket (the accountant counts a storage that a
+    // parameter holds once, as a parameter).
+    int64_t j = 0;
+    for (const auto& b : buffers()) {
+      if (b.defined()) {
+        u->register_buffer(fmt::format("b{}", j++), b);
+      }
     }
     return u;
   }
@@ -296,8 +306,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         o[reinterpret_cast<uint64_t>(s->data_ptr().get())] = l.category;
       }
     }
-    for (const auto& b : buffers()) {
-      o[storage_address(b)] = Category::kParameter;
+    for (const auto& b : buffers()) {  // before the parameters: a shared storage is a parameter
+      o[storage_address(b)] = Category::kBuffer;
     }
     for (const auto& p : parameters()) {
       o[storage_address(p)] = Category::kParameter;
@@ -635,7 +645,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       add(p.grad(), Category::kGradient);
     }
     for (const auto& b : buffers()) {
-      add(b, Category::kParameter);
+      add(b, Category::kBuffer);
     }
     for (const auto& t : state) {
       add(t, Category::kOptimizerState);
@@ -1234,6 +1244,9 @@ AuditReport Audit::report() const {
   const auto b = s.buckets();
   r.num_params = b.num_params;
   r.buckets.push_back({"parameters", Category::kParameter, b.param_bytes});
+  if (b.buffer_bytes > 0) {  // only where there are buffers: most nets have none
+    r.buckets.push_back({"buffers", Category::kBuffer, b.buffer_bytes});
+  }
   r.buckets.push_back({"gradients", Category::kGradient, b.grad_bytes});
   for (const auto& st : b.state_by_name) {
     if (st.bytes > 0) {
@@ -1291,7 +1304,7 @@ AuditReport Audit::report() const {
   }
   if (s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] > 0) {
     r.notes.push_back(fmt::format(
-        "{} B were live before the audit began and are no parameter, gradient, optimizer state or labelled "
+        "{} B were live before the audit began and are no parameter, buffer, gradient, optimizer state or labelled "
         "tensor (a data set held in memory? name it with Audit::label()); the plot can hide this baseline",
         with_commas(s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)])));
   }

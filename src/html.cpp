@@ -21,6 +21,7 @@ namespace {
 constexpr std::array<std::pair<Category, const char*>, kNumCategories> kStack = {{
     {Category::kBeforeAudit, "#e4e1dc"},
     {Category::kParameter, "#4e79a7"},
+    {Category::kBuffer, "#a0cbe8"},  // a lighter parameter blue: module state beside the weights
     {Category::kGradient, "#f28e2b"},
     {Category::kOptimizerState, "#59a14f"},
     {Category::kCommunication, "#76b7b2"},

@@ -611,7 +611,11 @@ StepPeak run_step(torch::nn::Module& module, const std::function<at::Tensor()>& 
   const auto buckets = optimizer != nullptr ? account(module, *optimizer) : account(module);
   r.param_bytes = buckets.param_bytes;
   r.optimizer_state_bytes = buckets.optimizer_state_bytes;
-  const int64_t static_bytes = buckets.total_bytes();
+  // Buffers (BatchNorm's running statistics) are left out, as before they
+  // had a bucket: StepPeak has no field for them, and its decomposition
+  // (transient = peak - parameters - state - gradients - activations) would
+  // otherwise call them transient.
+  const int64_t static_bytes = buckets.total_bytes() - buckets.buffer_bytes;
   const int64_t start = live();
   SavedTensorMeter meter(module);
   at::Tensor loss;

@@ -14,8 +14,9 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
+// Display order (reports, JSON keys): a module's buffers beside its parameters.
 constexpr std::array<Category, kNumCategories> kCategories = {
-    Category::kParameter, Category::kGradient,  Category::kOptimizerState,
+    Category::kParameter, Category::kBuffer, Category::kGradient,  Category::kOptimizerState,
     Category::kActivation, Category::kTemporary, Category::kInput,
     Category::kCommunication, Category::kUnknown, Category::kBeforeAudit};
 

@@ -17,6 +17,7 @@ const char* category_name(Category category) {
     case Category::kUnknown: return "unknown";
     case Category::kBeforeAudit: return "before the audit";
     case Category::kCommunication: return "COMMUNICATION";
+    case Category::kBuffer: return "BUFFER";
   }
   return "unknown";
 }

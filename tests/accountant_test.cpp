@@ -3,7 +3,9 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -53,6 +55,43 @@ TEST(AccountantTest, AdamWStateIsTwiceParamBytes) {
   EXPECT_EQ(state_bytes(after, "exp_avg_sq"), 4 * P);
   EXPECT_EQ(after.total_bytes(), 16 * P);
   EXPECT_EQ(after.predicted_total_bytes(), 16 * P);
+}
+
+// Issue 22: module buffers (BatchNorm's running statistics) are a bucket of
+// their own, exact to the byte, and never counted as parameters.
+TEST(AccountantTest, BuffersAreABucketOfTheirOwn) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)), torch::nn::BatchNorm2d(8),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3)), torch::nn::BatchNorm2d(16));
+  // BatchNorm2d(C): running_mean and running_var, C fp32 each, and
+  // num_batches_tracked, one int64.
+  constexpr int64_t kBuffers = (2 * 8 * 4 + 8) + (2 * 16 * 4 + 8);  // 208
+  int64_t storages = 0;
+  for (const auto& b : net->buffers()) {
+    storages += static_cast<int64_t>(b.storage().nbytes());
+  }
+  ASSERT_EQ(storages, kBuffers);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto b = trainmem::account(*net, opt);
+  EXPECT_EQ(b.buffer_bytes, kBuffers);
+  EXPECT_EQ(b.num_buffers, 6);
+  const int64_t params = 4 * (8 * 3 * 3 * 3 + 8 + 8 + 8 + 16 * 8 * 3 * 3 + 16 + 16 + 16);  // conv w, b; bn w, b
+  EXPECT_EQ(b.param_bytes, params);  // the buffers are not parameters
+  EXPECT_EQ(b.total_bytes(), params + kBuffers);
+  EXPECT_EQ(b.predicted_total_bytes(), params + kBuffers + 2 * params);  // gradients + momentum
+  const auto text = trainmem::to_string(b);
+  EXPECT_NE(text.find("buffers "), std::string::npos) << text;
+  EXPECT_NE(text.find(" 208 B  (6 tensors)"), std::string::npos) << text;
+
+  // A buffer on a parameter's storage is counted once, as the parameter.
+  auto lin = torch::nn::Linear(4, 4);
+  lin->register_buffer("alias", lin->weight.detach().view(-1));
+  lin->register_buffer("own", torch::zeros({3}));
+  const auto l = trainmem::account(*lin);
+  EXPECT_EQ(l.param_bytes, 4 * (16 + 4));
+  EXPECT_EQ(l.buffer_bytes, 3 * 4);
+  EXPECT_EQ(l.num_buffers, 1);
+  EXPECT_EQ(trainmem::account(*torch::nn::Linear(4, 4)).buffer_bytes, 0);
 }
 
 struct OptimizerCase {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
@@ -14,6 +15,7 @@
 
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
+#include "trainmem/report.h"
 
 namespace {
 
@@ -460,4 +462,85 @@ TEST(AuditTest, OptimizedInputHasItsOwnBucket) {
     EXPECT_EQ(n.find("leaves that require grad"), std::string::npos) << n;
   }
   EXPECT_THROW(audit.add_optimized_input(torch::zeros({2}), "not a leaf that requires grad"), c10::Error);
+}
+
+// Issue 22: a conv net's BatchNorm running statistics (running_mean,
+// running_var, num_batches_tracked) are the "buffers" bucket and BUFFER on
+// the timeline, to the byte; PARAMETER holds the parameters alone, and the
+// categories still add up to the allocator's live bytes.
+TEST(AuditTest, BatchNormBuffersAreABucketAndACategoryOfTheirOwn) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)), torch::nn::BatchNorm2d(8),
+                            torch::nn::ReLU(), torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)),
+                            torch::nn::BatchNorm2d(16), torch::nn::ReLU());
+  // BatchNorm2d(C): running_mean and running_var, C fp32 each, and
+  // num_batches_tracked, one int64 (8 B).
+  constexpr int64_t kBuffers = (2 * 8 * 4 + 8) + (2 * 16 * 4 + 8);  // 208
+  constexpr int64_t kParams = 4 * (8 * 3 * 3 * 3 + 8 + 2 * 8 + 16 * 8 * 3 * 3 + 16 + 2 * 16);  // 5,600
+  int64_t storages = 0;
+  for (const auto& b : net->buffers()) {
+    storages += static_cast<int64_t>(b.storage().nbytes());
+  }
+  ASSERT_EQ(storages, kBuffers);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  trainmem::Audit audit(*net, &opt);
+  for (int i = 0; i < 2; ++i) {
+    auto step = audit.step();
+    auto x = torch::randn({4, 3, 8, 8});  // made and freed inside the step, as the series' end needs
+    audit.mark_input(x);
+    opt.zero_grad();
+    net->forward(x).pow(2).mean().backward();  // updates the running statistics in place
+    opt.step();
+  }
+  const int64_t live_after = tracker.stats().allocated_bytes;
+  const auto r = audit.report();
+  auto bucket = [&](const std::string& name) {
+    for (const auto& b : r.buckets) {
+      if (b.name == name) return b;
+    }
+    ADD_FAILURE() << "no bucket " << name;
+    return trainmem::BucketBytes{};
+  };
+  EXPECT_EQ(bucket("parameters").bytes, kParams);
+  EXPECT_EQ(bucket("buffers").bytes, kBuffers);
+  EXPECT_EQ(bucket("buffers").category, Category::kBuffer);
+  EXPECT_EQ(r.buckets[1].name, "buffers");  // beside the parameters
+  EXPECT_EQ(r.static_bytes(), kParams + kBuffers + kParams + kParams);  // + gradients + momentum
+
+  // At the peak: the buffers are BUFFER, not PARAMETER.
+  EXPECT_EQ(r.peak_by_category[static_cast<int>(Category::kBuffer)], kBuffers);
+  EXPECT_EQ(r.peak_by_category[static_cast<int>(Category::kParameter)], kParams);
+  for (const auto& ph : r.phases) {
+    EXPECT_EQ(ph.peak_by_category[static_cast<int>(Category::kBuffer)], kBuffers) << trainmem::span_label(ph);
+  }
+  // The categories still add up: the series ends at the allocator's live
+  // bytes, its top is the step's peak, and the peak's categories sum to it.
+  const auto all = trainmem::live_bytes(audit.timeline());
+  EXPECT_EQ(all.back().total_bytes(), live_after);
+  EXPECT_EQ(at_cat(all.back(), Category::kBuffer), kBuffers);
+  int64_t top = 0;
+  for (const auto& p : all) {
+    top = std::max(top, p.total_bytes());
+    ASSERT_EQ(at_cat(p, Category::kBuffer), kBuffers) << "BUFFER moved at " << p.time_ns;
+  }
+  EXPECT_EQ(top, r.peak_bytes);
+  int64_t at_peak = 0;
+  for (auto b : r.peak_by_category) {
+    at_peak += b;
+  }
+  EXPECT_EQ(at_peak, r.peak_bytes);
+  // The buffers are no saved activations: the meter excludes them.
+  trainmem::SavedTensorMeter meter(*net);
+  {
+    trainmem::SavedTensorMeterGuard g(meter);
+    (void)net->forward(torch::randn({4, 3, 8, 8})).pow(2).mean();
+  }
+  EXPECT_EQ(r.saved_activation_bytes, meter.report().saved_bytes);
+
+  // The reports name the category, and a JSON report reads back with it.
+  EXPECT_NE(trainmem::to_text(r).find("BUFFER"), std::string::npos);
+  const auto back = trainmem::report_from_json(trainmem::to_json(r));
+  EXPECT_EQ(back.peak_by_category[static_cast<int>(Category::kBuffer)], kBuffers);
+  EXPECT_EQ(back.buckets[1].category, Category::kBuffer);
 }

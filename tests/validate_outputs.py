@@ -10,7 +10,7 @@ import pickle
 import subprocess
 import sys
 
-CATEGORIES = ["PARAMETER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "COMMUNICATION", "unknown",
+CATEGORIES = ["PARAMETER", "BUFFER", "GRADIENT", "OPTIMIZER_STATE", "ACTIVATION", "TEMPORARY", "INPUT", "COMMUNICATION", "unknown",
               "before the audit"]
 
 

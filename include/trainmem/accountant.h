@@ -1,8 +1,9 @@
 #pragma once
 /// \file accountant.h
-/// The static buckets of a training step: parameters, gradients and optimizer
-/// state, read exactly from a module and a `torch::optim` optimizer, and
-/// predicted by formula per precision recipe before anything runs.
+/// The static buckets of a training step: parameters, buffers (BatchNorm's
+/// running statistics), gradients and optimizer state, read exactly from a
+/// module and a `torch::optim` optimizer, and predicted by formula per
+/// precision recipe before anything runs.
 ///
 /// Example:
 /// ```
@@ -45,6 +46,13 @@ struct StaticBuckets {
   int64_t num_trainable_params = 0;
   /// Bytes of unique parameter storages.
   int64_t param_bytes = 0;
+  /// Bytes of unique buffer storages (`module.buffers()`: BatchNorm's
+  /// running_mean, running_var, num_batches_tracked), less any storage a
+  /// parameter holds (counted there). Module state that is no parameter: it
+  /// has no gradient and no optimizer state, and no recipe predicts it.
+  int64_t buffer_bytes = 0;
+  /// Buffer tensors counted (one per unique storage).
+  int64_t num_buffers = 0;
   /// Bytes of the `.grad` tensors that exist now (0 before the first backward
   /// or after `zero_grad()`, which sets them to undefined).
   int64_t grad_bytes = 0;
@@ -64,13 +72,13 @@ struct StaticBuckets {
   /// Optimizer state by field, largest first.
   std::vector<StateBytes> state_by_name;
 
-  /// param_bytes + grad_bytes + optimizer_state_bytes, in bytes.
+  /// param_bytes + buffer_bytes + grad_bytes + optimizer_state_bytes, in bytes.
   int64_t total_bytes() const {
-    return param_bytes + grad_bytes + optimizer_state_bytes;
+    return param_bytes + buffer_bytes + grad_bytes + optimizer_state_bytes;
   }
-  /// param_bytes + predicted gradient and optimizer state bytes.
+  /// param_bytes + buffer_bytes + predicted gradient and optimizer state bytes.
   int64_t predicted_total_bytes() const {
-    return param_bytes + predicted_grad_bytes +
+    return param_bytes + buffer_bytes + predicted_grad_bytes +
         (predicted_optimizer_state_bytes > 0 ? predicted_optimizer_state_bytes
                                              : 0);
   }

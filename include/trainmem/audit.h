@@ -79,7 +79,7 @@ struct AuditOptions {
 /// On CPU it installs the counting allocator (allocator.h) if needed; install
 /// it yourself first thing in main so that the model's own parameters are
 /// counted too. Bytes live when recording starts that are not a parameter,
-/// gradient, optimizer state or labelled tensor are "before the audit"
+/// buffer, gradient, optimizer state or labelled tensor are "before the audit"
 /// (Category::kBeforeAudit), a baseline the plot can hide. On CUDA the peaks
 /// come from the caching allocator (the audit resets its peak statistics at
 /// each phase, for the whole device) and the timeline is not recorded: use
@@ -120,7 +120,9 @@ class Audit {
   Audit& operator=(const Audit&) = delete;
 
   /// Audits `module` too (several networks, a trunk and a head). Its
-  /// parameters are PARAMETER and excluded from the saved bytes. Must outlive
+  /// parameters are PARAMETER, its buffers (BatchNorm's running statistics)
+  /// BUFFER and a "buffers" bucket, and both are excluded from the saved
+  /// bytes. Must outlive
   /// the Audit; call it outside a step.
   ///
   /// Example:

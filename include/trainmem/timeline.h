@@ -3,7 +3,7 @@
 /// Memory over time, coloured by what the bytes are. Every allocation and
 /// free of an audited step carries a category (PyTorch's names: PARAMETER,
 /// GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, unknown; and
-/// COMMUNICATION for data-parallel buckets) and a
+/// COMMUNICATION for data-parallel buckets, BUFFER for module buffers) and a
 /// phase (forward, backward, optimizer step). Audit (audit.h) records one;
 /// the writers in report.h turn it into a Chrome trace, an HTML/SVG plot or
 /// a memory_viz pickle.
@@ -33,11 +33,16 @@ enum class Category : uint8_t {
   kUnknown,    ///< made while recording, live, but not attributable (caches)
   kBeforeAudit, ///< live before recording began and not named (a baseline)
   kCommunication, ///< buffers collectives run through (DDP's gradient buckets; distributed.h)
+  /// A registered buffer of an audited module (BatchNorm's running_mean,
+  /// running_var, num_batches_tracked): module state that is no parameter.
+  /// Last, so that the values before it keep their numbers.
+  kBuffer,
 };
-inline constexpr int kNumCategories = 9;
+inline constexpr int kNumCategories = 10;
 
 /// PyTorch's spelling: "PARAMETER", ..., "unknown"; and "before the audit",
-/// "COMMUNICATION" (PyTorch's profiler has no such category).
+/// "COMMUNICATION", "BUFFER" (PyTorch's memory tracker has no such
+/// categories: it counts buffers with nothing, we name them).
 const char* category_name(Category category);
 
 /// Part of a training step.
