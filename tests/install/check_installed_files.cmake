@@ -24,4 +24,18 @@ file(READ ${prefix}/${includedir}/trainmem/version.h header)
 if(NOT header MATCHES "kVersion = \"${version}\"")
   message(FATAL_ERROR "version.h does not say ${version}")
 endif()
+# Every header an installed header includes by a quoted name is installed
+# too (the consumer programs include meter.h and version.h only, to compile
+# fast; this covers the rest without compiling them).
+file(GLOB_RECURSE headers ${prefix}/${includedir}/trainmem/*.h)
+foreach(h ${headers})
+  get_filename_component(dir ${h} DIRECTORY)
+  file(STRINGS ${h} includes REGEX "^[ \t]*#[ \t]*include[ \t]*\"")
+  foreach(line ${includes})
+    string(REGEX REPLACE "^[^\"]*\"([^\"]*)\".*" "\\1" name "${line}")
+    if(NOT EXISTS ${prefix}/${includedir}/${name} AND NOT EXISTS ${dir}/${name})
+      message(FATAL_ERROR "${h} includes \"${name}\", which is not installed")
+    endif()
+  endforeach()
+endforeach()
 message("installed files ok")

@@ -1,19 +1,24 @@
-// A user's program: links trainmem::trainmem and meters a Linear's saved
-// tensors. Shared by the find_package and add_subdirectory consumer projects.
+// A user's program: links trainmem::trainmem and meters what autograd saves
+// for a small matmul+gelu. Shared by the find_package and add_subdirectory
+// consumer projects. Kept on ATen's core headers (no <torch/torch.h>, no
+// torch::nn) so that compiling it costs a fraction of a LibTorch program's
+// usual translation unit: these tests check the packaging, not the API.
 #include <cstdio>
 
-#include <ATen/ATen.h>
-#include <torch/nn/modules/linear.h>
-#include <trainmem/trainmem.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/randn.h>
+#include <trainmem/meter.h>
+#include <trainmem/version.h>
 
 int main() {
-  torch::nn::Linear lin(32, 64);
-  auto x = torch::randn({16, 32}).requires_grad_();
-  trainmem::SavedTensorMeter meter(*lin);
+  auto x = at::randn({16, 32}).requires_grad_();
+  auto w = at::randn({32, 64}).requires_grad_();  // a "parameter"
+  trainmem::SavedTensorMeter meter;
+  meter.exclude(w);
   at::Tensor loss;
   {
     trainmem::SavedTensorMeterGuard scope(meter);
-    loss = at::gelu(lin->forward(x)).sum();
+    loss = at::gelu(x.matmul(w)).sum();  // saves x (for w's grad) and gelu's input
   }
   loss.backward();
   const auto r = meter.report();
