@@ -389,31 +389,16 @@ std::pair<at::Tensor, std::vector<Hidden>> layer_stack(CellKind kind, at::Tensor
 // The CPU's composite path is this one only for CPU-standing meta inputs.
 bool cpu_composite(const at::Tensor& input) { return conv_scratch_on_meta() && input.is_meta(); }
 
-template <CellKind kKind>
-std::tuple<at::Tensor, at::Tensor> one_hidden_rnn_meta(const at::Tensor& input, const at::Tensor& hx,
+// RNN.cpp's ONE_HIDDEN_RNN (gru, rnn_tanh, rnn_relu) on the composite path:
+// one hidden state per layer and direction; `batch_sizes` defined for a
+// packed sequence.
+std::tuple<at::Tensor, at::Tensor> one_hidden_rnn_meta(CellKind kind, const at::Tensor& input,
+                                                       const at::Tensor& batch_sizes, const at::Tensor& hx,
                                                        at::TensorList params, bool has_biases, int64_t num_layers,
-                                                       double dropout, bool train, bool bidirectional,
-                                                       bool batch_first) {
-  const auto x = batch_first ? input.transpose(0, 1) : input;
+                                                       double dropout, bool train, bool bidirectional) {
   std::vector<Hidden> hidden;
   for (auto& h : hx.unbind(0)) hidden.push_back({h, {}});
-  auto [out, finals] = layer_stack(kKind, x, {}, hidden, gather_params(params, has_biases, false), num_layers,
-                                   dropout, train, bidirectional);
-  std::vector<at::Tensor> hy;
-  for (auto& f : finals) hy.push_back(f.first);
-  auto h = at::stack(hy, 0);
-  if (batch_first) out.transpose_(0, 1);
-  return {out, h};
-}
-
-template <CellKind kKind>
-std::tuple<at::Tensor, at::Tensor> one_hidden_rnn_packed_meta(const at::Tensor& data, const at::Tensor& batch_sizes,
-                                                              const at::Tensor& hx, at::TensorList params,
-                                                              bool has_biases, int64_t num_layers, double dropout,
-                                                              bool train, bool bidirectional) {
-  std::vector<Hidden> hidden;
-  for (auto& h : hx.unbind(0)) hidden.push_back({h, {}});
-  auto [out, finals] = layer_stack(kKind, data, batch_sizes, hidden, gather_params(params, has_biases, false),
+  auto [out, finals] = layer_stack(kind, input, batch_sizes, hidden, gather_params(params, has_biases, false),
                                    num_layers, dropout, train, bidirectional);
   std::vector<at::Tensor> hy;
   for (auto& f : finals) hy.push_back(f.first);
@@ -456,8 +441,10 @@ std::tuple<at::Tensor, at::Tensor> rnn_input_autograd_meta(const at::Tensor& inp
         return at::native::gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first);
     }
   }
-  return one_hidden_rnn_meta<kKind>(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-                                    batch_first);
+  auto r = one_hidden_rnn_meta(kKind, batch_first ? input.transpose(0, 1) : input, {}, hx, params, has_biases,
+                               num_layers, dropout, train, bidirectional);
+  if (batch_first) std::get<0>(r).transpose_(0, 1);
+  return r;
 }
 
 template <CellKind kKind>
@@ -475,8 +462,8 @@ std::tuple<at::Tensor, at::Tensor> rnn_data_autograd_meta(const at::Tensor& data
         return at::native::gru(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional);
     }
   }
-  return one_hidden_rnn_packed_meta<kKind>(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
-                                           bidirectional);
+  return one_hidden_rnn_meta(kKind, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                             bidirectional);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_data_autograd_meta(const at::Tensor& data,
