@@ -10,7 +10,7 @@
 #include "trainmem/meter.h"
 #include "trainmem/offload.h"
 #include "trainmem/selective.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 

@@ -5,8 +5,9 @@
 // program. Figures go to docs/benchmarks.md; never asserted in tests.
 #include <benchmark/benchmark.h>
 
+#include "trainmem/models/transformer_plan.h"
 #include "trainmem/planner.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 

@@ -15,11 +15,12 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
+#include "app/variants.h"
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
 #include "trainmem/report.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 
@@ -67,7 +68,7 @@ int main(int argc, char** argv) {
     const int64_t L = o.num_layers();
     const int64_t unit = 4 * o.batch() * o.seq_len() * o.d_model();
     std::vector<trainmem::VariantRun> runs;
-    for (const auto& plan : trainmem::BlockCheckpointing::seed_variants(L)) {
+    for (const auto& plan : trainmem::seed_variants(L)) {
       runs.push_back(trainmem::run_variant(model, x, plan));
     }
     // Optimizer step in backward: at the capstone's shape (activations

@@ -42,13 +42,15 @@
 
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
+#include "trainmem/block_checkpointing.h"
 #include "trainmem/checkpoint.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/device.h"
 #include "trainmem/meta.h"
+#include "trainmem/models/transformer.h"
+#include "trainmem/models/transformer_plan.h"
 #include "trainmem/planner.h"
 #include "trainmem/report.h"
-#include "trainmem/transformer.h"
 
 namespace {
 
@@ -210,7 +212,12 @@ void capstone_on_gpu(const c10::Device& dev) {
   const trainmem::TransformerOptions o;
   std::cout << "\nCapstone on the GPU (AdamW, second step): measured / predicted max allocated, reserved; time vs none\n";
   double none_seconds = 0.0;
-  for (const auto& ck : trainmem::BlockCheckpointing::seed_variants(o.num_layers())) {
+  const int64_t L = o.num_layers();
+  const std::vector<trainmem::BlockCheckpointing> variants = {
+      trainmem::BlockCheckpointing::none(L), trainmem::BlockCheckpointing::full(L),
+      trainmem::BlockCheckpointing::every(L, 2),
+      trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy())};
+  for (const auto& ck : variants) {
     const auto pred = trainmem::predict_cuda_transformer_step(o, ck);
     torch::manual_seed(0);
     trainmem::Transformer model(o);

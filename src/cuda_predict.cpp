@@ -12,6 +12,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
@@ -23,7 +24,6 @@
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "trainmem/format.h"
-#include "trainmem/transformer.h"
 
 namespace trainmem {
 
@@ -609,30 +609,6 @@ std::string to_string(const CudaStepPrediction& p) {
   return os.str();
 }
 
-CudaStepPrediction predict_cuda_transformer_step(
-    const TransformerOptions& model,
-    const BlockCheckpointing& checkpointing,
-    bool adamw,
-    const CudaPredictOptions& options) {
-  Transformer meta{nullptr};
-  {
-    MetaInitGuard guard;
-    meta = Transformer(model);
-  }
-  std::unique_ptr<torch::optim::AdamW> opt;
-  if (adamw) {
-    opt = std::make_unique<torch::optim::AdamW>(meta->parameters(), torch::optim::AdamWOptions(1e-3));
-  }
-  return predict_cuda_step_peak(
-      *meta,
-      [&] {
-        return meta->forward(at::empty({model.batch(), model.seq_len(), model.d_model()}, at::kMeta), checkpointing)
-            .pow(2)
-            .mean();
-      },
-      opt.get(), options);
-}
-
 const char* to_string(CudaBudgetKind kind) {
   return kind == CudaBudgetKind::kAllocated ? "allocated" : "reserved";
 }
@@ -640,7 +616,7 @@ const char* to_string(CudaBudgetKind kind) {
 namespace {
 
 // Plans for the planner budget b, predicts the plan's CUDA step, lowers b by
-// the excess: the loop of plan_checkpointing_cuda and plan_regions_cuda.
+// the excess: the loop of plan_regions_cuda (and so of plan_checkpointing_cuda).
 CudaCheckpointPlan plan_for_cuda(const PlanOptions& options, CudaBudgetKind kind,
                                  const std::function<CheckpointPlan(const PlanOptions&)>& plan,
                                  const std::function<CudaStepPrediction(const CheckpointPlan&)>& predict) {
@@ -672,20 +648,6 @@ CudaCheckpointPlan plan_for_cuda(const PlanOptions& options, CudaBudgetKind kind
 }
 
 } // namespace
-
-CudaCheckpointPlan plan_checkpointing_cuda(
-    const TransformerOptions& model,
-    const PlanOptions& options,
-    CudaBudgetKind kind,
-    const CudaPredictOptions& cuda) {
-  TORCH_CHECK(options.budget_bytes() > 0, "plan_checkpointing_cuda: expected a budget > 0, but got ",
-              options.budget_bytes());
-  return plan_for_cuda(
-      options, kind, [&](const PlanOptions& o) { return plan_checkpointing(model, o); },
-      [&](const CheckpointPlan& p) {
-        return predict_cuda_transformer_step(model, p.checkpointing(), options.adamw(), cuda);
-      });
-}
 
 CudaCheckpointPlan plan_regions_cuda(
     const RegionModel& model,

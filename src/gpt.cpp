@@ -1,4 +1,4 @@
-#include "trainmem/gpt.h"
+#include "trainmem/models/gpt.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/linear.h>

@@ -1,4 +1,4 @@
-#include "trainmem/hf_model.h"
+#include "trainmem/models/hf_model.h"
 
 #include <cmath>
 #include <cstdlib>

@@ -4,13 +4,14 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
+#include "app/variants.h"
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
 #include "trainmem/planner.h"
 #include "trainmem/selective.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 
@@ -131,7 +132,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
   const int64_t L = o.num_layers();
   std::vector<trainmem::VariantRun> runs;
-  for (const auto& plan : trainmem::BlockCheckpointing::seed_variants(L)) {
+  for (const auto& plan : trainmem::seed_variants(L)) {
     runs.push_back(trainmem::run_variant(model, x, plan));
   }
   const auto& none = runs[0];
@@ -168,7 +169,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
 namespace {
 
 TEST(CapstoneTest, VariantsAreFoundByTheirNames) {
-  for (const auto& v : trainmem::BlockCheckpointing::seed_variants(6)) {
+  for (const auto& v : trainmem::seed_variants(6)) {
     const auto n = trainmem::BlockCheckpointing::named(6, v.name);
     EXPECT_EQ(n.name, v.name);
     EXPECT_EQ(n.blocks, v.blocks) << v.name;

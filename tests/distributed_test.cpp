@@ -17,8 +17,8 @@
 
 #include "trainmem/allocator.h"
 #include "trainmem/distributed.h"
-#include "trainmem/distributed_trainer.h"
-#include "trainmem/trainer.h"
+#include "app/distributed_trainer.h"
+#include "app/trainer.h"
 
 namespace trainmem {
 namespace {

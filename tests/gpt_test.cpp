@@ -1,4 +1,5 @@
-#include "trainmem/gpt.h"
+#include "app/variants.h"
+#include "trainmem/models/gpt.h"
 
 #include <chrono>
 #include <cstdio>

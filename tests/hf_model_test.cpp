@@ -1,4 +1,5 @@
-#include "trainmem/hf_model.h"
+#include "app/variants.h"
+#include "trainmem/models/hf_model.h"
 
 #include <algorithm>
 #include <cstdio>

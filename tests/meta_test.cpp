@@ -1,3 +1,4 @@
+#include "app/variants.h"
 #include "trainmem/meta.h"
 
 #include <cstdio>
@@ -31,7 +32,7 @@
 #include "trainmem/checkpoint.h"
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 

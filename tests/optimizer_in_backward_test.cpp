@@ -1,3 +1,4 @@
+#include "app/variants.h"
 #include "trainmem/optimizer_in_backward.h"
 
 #include <ATen/ATen.h>
@@ -9,7 +10,7 @@
 #include <torch/optim/sgd.h>
 
 #include "trainmem/allocator.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 

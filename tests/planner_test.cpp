@@ -11,13 +11,15 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
+#include "app/variants.h"
 #include "trainmem/allocator.h"
 #include "trainmem/checkpoint.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
+#include "trainmem/models/transformer_plan.h"
 #include "trainmem/planner.h"
 #include "trainmem/selective.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 
@@ -59,7 +61,7 @@ TEST(PlannerTest, MetaForwardSavesExactlyWhatTheCpuSaves) {
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   const std::vector<int64_t> expected = {51052544, 3670016, 27361280, 31981568};
-  const auto plans = BlockCheckpointing::seed_variants(L);
+  const auto plans = trainmem::seed_variants(L);
   for (size_t i = 0; i < plans.size(); ++i) {
     const auto measured = trainmem::run_variant(cpu, x, plans[i]).saved;
     const auto predicted = trainmem::predict_saved_activations(*meta, [&] {
@@ -203,7 +205,7 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
-  for (const auto& plan : BlockCheckpointing::seed_variants(L)) {
+  for (const auto& plan : trainmem::seed_variants(L)) {
     const auto measured = trainmem::measure_step_peak(*cpu, [&] {
       return cpu->forward(torch::randn({o.batch(), o.seq_len(), o.d_model()}), plan).pow(2).mean();
     }, &cpu_opt);

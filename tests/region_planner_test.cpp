@@ -19,10 +19,11 @@
 #include <torch/optim/sgd.h>
 
 #include "trainmem/allocator.h"
-#include "trainmem/gpt.h"
+#include "trainmem/models/gpt.h"
 #include "trainmem/meta.h"
+#include "trainmem/models/transformer_plan.h"
 #include "trainmem/planner.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 #include "region_planner_check.h"
 
 namespace {

@@ -1,10 +1,11 @@
-#include "trainmem/trainer.h"
+#include "app/trainer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
-#include "trainmem/transformer.h"
+#include "app/variants.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 

@@ -36,12 +36,13 @@
 #include <torch/optim/adamw.h>
 #include <torch/version.h>
 
+#include "app/variants.h"
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
 #include "trainmem/offload.h"
 #include "trainmem/optimizer_in_backward.h"
 #include "trainmem/selective.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace {
 

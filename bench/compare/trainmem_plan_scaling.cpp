@@ -19,8 +19,9 @@
 #include <nlohmann/json.hpp>
 
 #include "trainmem/allocator.h"
-#include "trainmem/gpt.h"
+#include "trainmem/models/gpt.h"
 #include "trainmem/meta.h"
+#include "trainmem/models/transformer_plan.h"
 #include "trainmem/planner.h"
 
 namespace {

@@ -30,7 +30,6 @@
 #include "trainmem/cuda_allocator_model.h"
 #include "trainmem/planner.h"
 #include "trainmem/timeline.h"
-#include "trainmem/transformer.h"
 
 namespace torch::nn {
 class Module;
@@ -159,22 +158,6 @@ CudaStepPrediction predict_cuda_step_peak(
 /// Text: max allocated and reserved, the phase, and the terms at the peak.
 std::string to_string(const CudaStepPrediction& prediction);
 
-/// The reference Transformer's training step on CUDA (forward with
-/// `checkpointing`, loss out.pow(2).mean(), backward, an AdamW step when
-/// `adamw`), predicted with predict_cuda_step_peak from a model built on meta.
-///
-/// Example:
-/// ```
-/// auto p = trainmem::predict_cuda_transformer_step(trainmem::TransformerOptions(),
-///                                                  trainmem::BlockCheckpointing::named(6, "full"));
-/// p.max_memory_allocated_bytes;
-/// ```
-CudaStepPrediction predict_cuda_transformer_step(
-    const TransformerOptions& model,
-    const BlockCheckpointing& checkpointing,
-    bool adamw = true,
-    const CudaPredictOptions& options = {});
-
 /// What a CUDA budget limits: what tensors hold (max_memory_allocated) or
 /// what the caching allocator holds from the device (max_memory_reserved,
 /// what an out-of-memory error is about).
@@ -195,23 +178,6 @@ struct CudaCheckpointPlan {
   CheckpointPlan plan;              ///< the plan (when infeasible: the last one tried)
   CudaStepPrediction cuda;          ///< its predicted CUDA step
 };
-
-/// plan_checkpointing() for a CUDA budget: plans against the CPU peak model,
-/// predicts the plan's CUDA step, and while the CUDA peak of `kind` exceeds
-/// the budget plans again for a CPU peak that much under the last plan's (or
-/// the last planner budget, if lower), at most 8 rounds.
-/// `options.budget_bytes()` is the CUDA budget.
-///
-/// Example:
-/// ```
-/// auto p = trainmem::plan_checkpointing_cuda(o, trainmem::PlanOptions().budget_bytes(64 << 20),
-///                                            trainmem::CudaBudgetKind::kReserved);
-/// ```
-CudaCheckpointPlan plan_checkpointing_cuda(
-    const TransformerOptions& model,
-    const PlanOptions& options,
-    CudaBudgetKind kind,
-    const CudaPredictOptions& cuda = {});
 
 /// plan_regions() for a CUDA budget, as plan_checkpointing_cuda() does for
 /// the reference transformer: plans `model` against the CPU peak model,

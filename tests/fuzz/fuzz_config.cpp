@@ -8,7 +8,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "trainmem/hf_model.h"
+#include "trainmem/models/hf_model.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

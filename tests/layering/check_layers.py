@@ -27,7 +27,8 @@ RANKS = {
     "plan": 2,    # planner, CUDA prediction, CUDA allocator model, snapshots
     "models": 3,  # the reference transformer, GPT, config-file models
     "umbrella": 4,  # trainmem.h: every public header
-    "app": 5,     # the command's own code: trainer, distributed trainer
+    "app": 5,     # the command's own code (src/app, not installed): trainer,
+                  # distributed trainer, the seed's variants
 }
 
 # Files by layer. Paths relative to the source directory; a directory entry
@@ -59,28 +60,27 @@ LAYERS = {
     "include/trainmem/cuda_predict.h": "plan", "src/cuda_predict.cpp": "plan",
     "include/trainmem/cuda_allocator_model.h": "plan", "src/cuda_allocator_model.cpp": "plan",
     "include/trainmem/snapshot.h": "plan", "src/snapshot.cpp": "plan",
-    "include/trainmem/transformer.h": "models", "src/transformer.cpp": "models",
-    "include/trainmem/gpt.h": "models", "src/gpt.cpp": "models",
-    "include/trainmem/hf_model.h": "models", "src/hf_model.cpp": "models",
-    "include/trainmem/models/cs336_lm.h": "models", "src/cs336_lm.cpp": "models",
+    "include/trainmem/block_checkpointing.h": "core", "src/block_checkpointing.cpp": "core",
+    "include/trainmem/models/": "models",
+    "src/transformer.cpp": "models", "src/transformer_plan.cpp": "models",
+    "src/gpt.cpp": "models", "src/hf_model.cpp": "models", "src/cs336_lm.cpp": "models",
+    # Forwarding headers of the models' old paths (kept for one release).
+    "include/trainmem/transformer.h": "models",
+    "include/trainmem/gpt.h": "models",
+    "include/trainmem/hf_model.h": "models",
     "include/trainmem/trainmem.h": "umbrella",
-    "include/trainmem/trainer.h": "app", "src/trainer.cpp": "app",
-    "include/trainmem/distributed_trainer.h": "app", "src/distributed_trainer.cpp": "app",
+    "src/app/": "app",
 }
 
-# Today's back-arrows, (from file, included file). Each is a debt: remove the
-# include, then its line here. The check fails on an entry that is paid.
-ALLOWED_BACK_ARROWS = {
-    ("include/trainmem/planner.h", "include/trainmem/transformer.h"),
-    ("include/trainmem/cuda_predict.h", "include/trainmem/transformer.h"),
-    ("src/cuda_predict.cpp", "include/trainmem/transformer.h"),
-    ("include/trainmem/trainmem.h", "include/trainmem/trainer.h"),
-}
+# Back-arrows allowed, (from file, included file): none since the models and
+# the command's code left the planner's headers (issue 23). Keep it empty; the
+# check fails on an entry that no longer occurs.
+ALLOWED_BACK_ARROWS = set()
 
 # Above every layer: public headers only.
 TOP = ("tools/", "examples/", "bench/", "tests/")
 
-INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]((?:trainmem|detail)/[A-Za-z0-9_./]+)[>"]', re.M)
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]((?:trainmem|detail|app)/[A-Za-z0-9_./]+)[>"]', re.M)
 SOURCES = (".h", ".hpp", ".cpp", ".cc")
 
 

@@ -16,11 +16,12 @@
 #include "trainmem/cuda_predict.h"
 #include "trainmem/device.h"
 #ifdef TRAINMEM_WITH_DISTRIBUTED
-#include "trainmem/distributed_trainer.h"
+#include "app/distributed_trainer.h"
 #endif
+#include "trainmem/models/transformer_plan.h"
 #include "trainmem/report.h"
-#include "trainmem/trainer.h"
-#include "trainmem/transformer.h"
+#include "app/trainer.h"
+#include "trainmem/models/transformer.h"
 
 namespace trainmem::cli {
 namespace {

@@ -16,7 +16,7 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/cuda_predict.h"
-#include "trainmem/hf_model.h"
+#include "trainmem/models/hf_model.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "trainmem/report.h"

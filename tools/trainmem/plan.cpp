@@ -19,9 +19,10 @@
 #include "trainmem/allocator.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
+#include "trainmem/models/transformer_plan.h"
 #include "trainmem/planner.h"
 #include "trainmem/report.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace trainmem::cli {
 namespace {

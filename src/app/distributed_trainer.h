@@ -26,7 +26,7 @@
 #include <torch/arg.h>
 
 #include "trainmem/distributed.h"
-#include "trainmem/trainer.h"
+#include "app/trainer.h"
 
 namespace trainmem {
 

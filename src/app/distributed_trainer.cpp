@@ -3,7 +3,7 @@
 // (compiled with USE_C10D_GLOO; see CMakeLists.txt), and, in a CUDA build
 // whose LibTorch has c10d's NCCL (TRAINMEM_WITH_NCCL), NCCL's.
 
-#include "trainmem/distributed_trainer.h"
+#include "app/distributed_trainer.h"
 
 #include <signal.h>
 #include <sys/wait.h>

@@ -1,4 +1,4 @@
-#include "trainmem/trainer.h"
+#include "app/trainer.h"
 
 #include <memory>
 #include <optional>

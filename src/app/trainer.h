@@ -23,7 +23,7 @@
 
 #include "trainmem/report.h"
 #include "trainmem/timeline.h"
-#include "trainmem/transformer.h"
+#include "trainmem/models/transformer.h"
 
 namespace trainmem {
 
