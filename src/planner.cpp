@@ -933,6 +933,10 @@ struct BlockProfile {
   double forward_cost = 0;
   // Op calls of the forward, in order: (call, cost, cacheable).
   std::vector<std::tuple<std::string, double, bool>> calls;
+  // Non-empty: this choice cannot run (Note [Regions that start in place]),
+  // and why; the DP never weighs it. forward_cost and calls are still set
+  // when the forward ran.
+  std::string unavailable;
 };
 
 // The CPU generator's state, as a checkpoint stashes it (a CPU tensor even
@@ -1192,9 +1196,26 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
                                                         : SelectivePolicy([](const SelectiveContext&, const SelectiveOp&) {
                                                             return CheckpointPolicy::kPreferRecompute;
                                                           });
-  SelectivePolicy counting = [inner, op_cost, recompute_cost, forward_cost, calls,
+  // The storage of the run's input (set once it is made) and the first
+  // forward op call given a tensor on it that is in place (name ending in
+  // '_'), or else the first given one: Note [Regions that start in place].
+  auto input_storage = std::make_shared<const c10::StorageImpl*>(nullptr);
+  auto input_writer = std::make_shared<std::pair<std::string, bool>>();
+  SelectivePolicy counting = [inner, op_cost, recompute_cost, forward_cost, calls, input_storage, input_writer,
                               counts = std::map<std::string, int64_t>{}](
                                  const SelectiveContext& ctx, const SelectiveOp& op) mutable {
+    if (!ctx.is_recompute && *input_storage != nullptr && !input_writer->second) {
+      for (const auto& v : op.inputs) {
+        if (v.isTensor() && v.toTensor().defined() && v.toTensor().has_storage() &&
+            v.toTensor().storage().unsafeGetStorageImpl() == *input_storage) {
+          const bool in_place = !op.name.empty() && op.name.back() == '_';
+          if (input_writer->first.empty() || in_place) {
+            *input_writer = {op.name, in_place};
+          }
+          break;
+        }
+      }
+    }
     const auto decision = inner(ctx, op);
     const auto kind = op_kind(op);
     const double c = op_cost ? op_cost(op) : 0.0;
@@ -1215,14 +1236,28 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   if (run.input_is_static) {
     x = make_tensor(run.input, device);
   }
+  // An input that needs a gradient is a clone of a leaf made before `base`,
+  // not the leaf itself: in the step it is the previous region's output, a
+  // non-leaf, which an in-place op may write (on a leaf that requires grad
+  // it throws). The clone's bytes count as the input's did; its gradient
+  // passes through CloneBackward to the leaf, as it would to the region
+  // before (Note [Regions that start in place]).
+  at::Tensor leaf;
+  if (!run.input_is_static && run.grad_input) {
+    leaf = make_tensor(run.input, device).requires_grad_(true);
+  }
   const int64_t base = counter.live();
   counter.reset_peak();
-  if (!run.input_is_static) {
+  if (leaf.defined()) {
+    x = leaf.clone();
+  } else if (!run.input_is_static) {
     x = make_tensor(run.input, device);
   }
-  if (run.grad_input) {
+  if (run.grad_input && !leaf.defined()) {
     x.requires_grad_(true);
   }
+  *input_storage = x.has_storage() ? x.storage().unsafeGetStorageImpl() : nullptr;
+  const auto input_version = x._version();
   at::Tensor loss;
   // What the step's meter will count for this run: its own parameters and
   // buffers excluded, as SavedTensorMeter(module) excludes the model's.
@@ -1244,6 +1279,16 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
       }
     }
     prof.choice.forward_peak_bytes = counter.peak() - base;
+    if (mode != BlockMode::kStore && x._version() != input_version) {
+      // The checkpoint keeps `x` for its recompute, and the region wrote it:
+      // backward would throw (Note [Regions that start in place]).
+      prof.unavailable = fmt::format("{} writes the region's input in place, which a checkpoint keeps",
+                                     input_writer->first.empty() ? std::string("an op") : input_writer->first);
+      prof.forward_cost = *forward_cost;
+      prof.calls = *calls;
+      *input_storage = nullptr;
+      return prof;
+    }
     if (y.requires_grad()) {  // else: no backward reaches it (no parameters up to here)
       loss = (y * 2.0).sum();  // mul by a scalar and sum save nothing of y
     }
@@ -1285,6 +1330,8 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   prof.choice.backward_transient_bytes = loss.defined() ? counter.peak() - after_forward : 0;
   loss = at::Tensor();
   x = at::Tensor();
+  leaf = at::Tensor();
+  *input_storage = nullptr;
   reset_grads(params);
   prof.choice.recompute_cost = mode == BlockMode::kStore ? 0.0 : *recompute_cost;
   prof.choice.rng_state_bytes = mode == BlockMode::kStore ? 0 : cpu_rng_state_bytes();
@@ -1915,8 +1962,11 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       try {
         return profile_run(run, mode, ops, cost_fn);
       } catch (const c10::Error& e) {
-        if (count != 1) {
-          throw;  // its regions each ran on meta alone: a real error
+        if (count != 1 || mode != BlockMode::kStore) {
+          // Its regions each ran on meta alone, or the region's stored run
+          // did: not a missing meta kernel (a checkpoint that fails is an
+          // unavailable choice: Note [Regions that start in place]).
+          throw;
         }
         fall_back(first, e);  // backward has no meta kernel
         run.cpu = true;
@@ -1933,6 +1983,35 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     }
   };
 
+  // Note [Regions that start in place]
+  // A region whose first op writes its input in place (ReLU(inplace) right
+  // after a cut, as VGG-style nets and MLPs are written) runs stored, but a
+  // checkpoint of it cannot: the checkpoint keeps the input for its
+  // recompute, the forward then writes it, and backward throws on CPU as in
+  // PyTorch ("one of the variables needed for gradient computation has been
+  // modified by an inplace operation"; a selective region and a segment
+  // starting there keep the same input). profile_run() sees the write (the
+  // input's version moved in a checkpointed forward) and names the op; any
+  // other failure of a checkpointed run whose regions ran stored is taken the
+  // same way. Such a profile is an unavailable choice: the DP never weighs
+  // it, and the plan lists it (CheckpointPlan::unavailable, printed by
+  // to_string). The forward cost still comes from the checkpoint's forward,
+  // which ran. Profiling needs the input to be a non-leaf too (an in-place
+  // op on a leaf that requires grad throws): see profile_run().
+  auto profile_or_unavailable = [&](int64_t first, int64_t count, BlockMode mode,
+                                    const std::vector<std::string>& ops = {}) {
+    BlockProfile p;
+    try {
+      p = profile(first, count, mode, ops);
+    } catch (const c10::Error& e) {
+      p = BlockProfile{};
+      p.choice.mode = mode;
+      p.choice.region_blocks = count;
+      p.unavailable = first_line(e.what_without_backtrace());
+    }
+    return p;
+  };
+
   // Per region: store, checkpoint, selective prefixes (Note [Checkpoint planner]).
   std::unordered_map<std::string, std::shared_ptr<const std::vector<BlockProfile>>> single_cache;
   std::vector<std::shared_ptr<const std::vector<BlockProfile>>> singles(L);
@@ -1944,8 +2023,8 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     }
     auto c = std::make_shared<std::vector<BlockProfile>>();
     c->push_back(profile(i, 1, BlockMode::kStore, {}));
-    c->push_back(profile(i, 1, BlockMode::kCheckpoint, {}));
-    if (options.selective()) {
+    c->push_back(profile_or_unavailable(i, 1, BlockMode::kCheckpoint));
+    if (options.selective() && (*c)[1].unavailable.empty()) {
       const auto ckpt = (*c)[1];
       struct Ranked {
         std::string call;
@@ -1957,7 +2036,10 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
         if (!cacheable) {
           continue;
         }
-        auto one = profile(i, 1, BlockMode::kSelective, {call});
+        auto one = profile_or_unavailable(i, 1, BlockMode::kSelective, {call});
+        if (!one.unavailable.empty()) {
+          continue;
+        }
         const double saved = ckpt.choice.recompute_cost - one.choice.recompute_cost;
         if (saved <= 0) {
           continue;  // not recomputed anyway (early stop), or free
@@ -1972,7 +2054,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       std::vector<std::string> prefix;
       for (const auto& r : ranked) {
         prefix.push_back(r.call);
-        c->push_back(profile(i, 1, BlockMode::kSelective, prefix));
+        c->push_back(profile_or_unavailable(i, 1, BlockMode::kSelective, prefix));
       }
     }
     singles[i] = c;
@@ -1987,10 +2069,23 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       auto it = segment_cache.find(key);
       if (it == segment_cache.end()) {
         it = segment_cache
-                 .emplace(key, std::make_shared<const BlockProfile>(profile(i, k, BlockMode::kCheckpoint, {})))
+                 .emplace(key, std::make_shared<const BlockProfile>(profile_or_unavailable(i, k, BlockMode::kCheckpoint)))
                  .first;
       }
       segments[i].push_back(it->second);
+    }
+  }
+  // The unavailable choices, per region (Note [Regions that start in place]).
+  for (int64_t i = 0; i < L; ++i) {
+    for (const auto& p : *singles[i]) {
+      if (!p.unavailable.empty()) {
+        plan.unavailable.push_back({i, 1, p.choice.mode, p.unavailable});
+      }
+    }
+    for (const auto& p : segments[i]) {
+      if (!p->unavailable.empty()) {
+        plan.unavailable.push_back({i, p->choice.region_blocks, p->choice.mode, p->unavailable});
+      }
     }
   }
   // The loss head, on the last output.
@@ -2012,10 +2107,14 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   }
   // The choices of a run of k regions at i, as one list.
   auto choices = [&](int64_t i, int64_t k) {
+    // Unavailable choices (Note [Regions that start in place]) left out: a
+    // run may have none (a segment), never a single region (it runs stored).
     std::vector<const BlockProfile*> c;
     if (k == 1) {
-      for (const auto& p : *singles[i]) c.push_back(&p);
-    } else {
+      for (const auto& p : *singles[i]) {
+        if (p.unavailable.empty()) c.push_back(&p);
+      }
+    } else if (segments[i][k - 2]->unavailable.empty()) {
       c.push_back(segments[i][k - 2].get());
     }
     return c;
@@ -2282,6 +2381,27 @@ std::string to_string(const CheckpointPlan& p) {
                     p.forward_cost > 0 ? 100.0 * p.recompute_cost / p.forward_cost : 0.0);
   os << fmt::format("  smallest reachable peak {} B, at a recompute cost of {:.6g}\n",
                     with_commas(p.min_peak_bytes), p.min_peak_cost);
+  // Unavailable choices, one line per region and reason: the single
+  // region's and the segments' that start there together.
+  for (size_t u = 0; u < p.unavailable.size();) {
+    const auto& first = p.unavailable[u];
+    std::vector<std::string> what;
+    size_t v = u;
+    for (; v < p.unavailable.size() && p.unavailable[v].region == first.region &&
+           p.unavailable[v].reason == first.reason;
+         ++v) {
+      const auto& x = p.unavailable[v];
+      what.push_back(x.blocks > 1 ? fmt::format("{} x{}", to_string(x.mode), x.blocks) : to_string(x.mode));
+    }
+    // Named as the rows above name it (a given name only).
+    const std::string name = static_cast<size_t>(first.region) < p.region_names.size()
+        ? p.region_names[first.region] : std::string();
+    const bool given = !name.empty() && name != "block" && name != std::to_string(first.region) &&
+        name.find("::") == std::string::npos;
+    os << fmt::format("  region {}{}: {} unavailable: {}\n", first.region, given ? " '" + name + "'" : std::string(),
+                      fmt::join(what, ", "), first.reason);
+    u = v;
+  }
   if (p.bucket_bytes > 0) {
     os << fmt::format("  the search bucketed stored bytes: no plan is cheaper within the budget less {} B\n",
                       with_commas(p.bucket_bytes));

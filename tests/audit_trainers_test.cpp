@@ -314,6 +314,77 @@ TEST(AuditTrainersTest, DcganHasAPhasePerOptimizerAndItsAdamStateIsOptimizerStat
   EXPECT_EQ(state, py.at("state_bytes").get<int64_t>());
 }
 
+// Both networks of a GAN, owning every parameter of the G step (G's loss
+// runs through D, whose gradients it also makes).
+struct GanImpl : torch::nn::Module {
+  GanImpl(DCGANGenerator g, torch::nn::Sequential d)
+      : generator(register_module("generator", std::move(g))),
+        discriminator(register_module("discriminator", std::move(d))) {}
+  DCGANGenerator generator;
+  torch::nn::Sequential discriminator;
+};
+TORCH_MODULE(Gan);
+
+std::vector<trainmem::Region> generator_regions(const DCGANGenerator& g) {
+  using trainmem::Region;
+  auto block = [](const char* name, torch::nn::ConvTranspose2d conv, torch::nn::BatchNorm2d bn) {
+    return Region(name, [conv, bn](const at::Tensor& x) mutable { return torch::relu(bn(conv(x))); },
+                  {conv.ptr(), bn.ptr()});
+  };
+  return {block("g1", g->conv1, g->batch_norm1), block("g2", g->conv2, g->batch_norm2),
+          block("g3", g->conv3, g->batch_norm3),
+          Region("g4", [c = g->conv4](const at::Tensor& x) mutable { return torch::tanh(c(x)); }, {g->conv4.ptr()})};
+}
+
+// The DCGAN's two steps, each planned (check_model: every plan's saved bytes
+// exact, its peak within 0.5 % of the CPU's, in budget, gradients
+// bit-identical): D's loss on G's detached output (D's regions, Adam over
+// D), and G's loss through D (G's regions then D's, Adam over G). Their
+// store-everything plans save what PyTorch's saved_tensors_hooks count in
+// the same steps (oracle mode gan).
+TEST(AuditTrainersTest, DcganDiscriminatorAndGeneratorStepsArePlanned) {
+  trainmem::CpuMemoryTracker::install();
+  constexpr int64_t kNoise = 100, kBatch = 64;
+  torch::manual_seed(0);
+  Gan gan(DCGANGenerator(kNoise), dcgan_discriminator());
+  torch::optim::Adam g_opt(gan->generator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.5}));
+  torch::optim::Adam d_opt(gan->discriminator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.5}));
+  auto bce_to = [](double label) {
+    return [label](const at::Tensor& y) {
+      return torch::binary_cross_entropy(y.reshape({kBatch}), at::full({kBatch}, label, y.options()));
+    };
+  };
+  // D's step: its input is G's output, detached (no gradient reaches G).
+  trainmem::RegionModel d_step;
+  d_step.regions = trainmem::regions_of(gan->discriminator);
+  d_step.input = [](c10::Device d) { return at::randn({kBatch, 1, 28, 28}, at::TensorOptions().device(d)); };
+  d_step.loss = bce_to(0.0);
+  d_step.optimizer = &d_opt;
+  const auto d_plan = trainmem::plan_regions(d_step, trainmem::PlanOptions().selective(false));
+  trainmem::testing::check_model("DCGAN D on detached fakes", *gan->discriminator, d_step, &d_opt);
+  // G's step: noise -> G -> D -> loss against "real".
+  trainmem::RegionModel g_step;
+  g_step.regions = generator_regions(gan->generator);
+  for (auto& r : trainmem::regions_of(gan->discriminator)) g_step.regions.push_back(r);
+  g_step.input = [](c10::Device d) { return at::randn({kBatch, kNoise, 1, 1}, at::TensorOptions().device(d)); };
+  g_step.loss = bce_to(1.0);
+  g_step.optimizer = &g_opt;
+  const auto g_plan = trainmem::plan_regions(g_step, trainmem::PlanOptions().selective(false));
+  trainmem::testing::check_model("DCGAN G through D", *gan, g_step, &g_opt);
+  std::cout << to_string(d_plan) << to_string(g_plan);
+  EXPECT_EQ(d_plan.name, "none");
+  EXPECT_EQ(g_plan.name, "none");
+  // Measured (the CPU meter equals the plans: check_model).
+  EXPECT_EQ(d_plan.activation_bytes, 13'213'184);
+  EXPECT_EQ(g_plan.activation_bytes, 24'973'312);
+  if (!have_python()) {
+    GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
+  }
+  const auto py = oracle("gan 1");
+  EXPECT_EQ(d_plan.activation_bytes, py.at("d_saved_bytes").at(0).get<int64_t>());
+  EXPECT_EQ(g_plan.activation_bytes, py.at("g_saved_bytes").at(0).get<int64_t>());
+}
+
 TEST(AuditTrainersTest, AnOptimizerIsCheckedWhenAdded) {
   trainmem::CpuMemoryTracker::install();
   DCGANGenerator generator(100);
@@ -405,6 +476,63 @@ TEST(AuditTrainersTest, ScriptedTrunkAndCppHeadMatchPythonEveryStep) {
             32 * 16 * 30 * 30 * 4 + 32 * 16 * 15 * 15 * 8)
       << nodes;
   EXPECT_EQ(bytes_of("DifferentiableGraphBackward(aten::linear, aten::relu)"), 32 * 3600 * 4 + 32 * 64 * 4) << nodes;
+}
+
+// A TorchScript module's parameters as an nn::Module's, the same tensors
+// (registered by name, dots made underscores): what a Region lists so the
+// planner counts them, moves them to meta in place while planning (the
+// scripted module then runs on meta with them) and sums their gradients.
+struct ScriptedParamsImpl : torch::nn::Module {
+  explicit ScriptedParamsImpl(const torch::jit::Module& scripted) {
+    for (const auto& p : scripted.named_parameters(/*recurse=*/true)) {
+      std::string name = p.name;
+      std::replace(name.begin(), name.end(), '.', '_');
+      register_parameter(name, p.value);
+    }
+  }
+};
+TORCH_MODULE(ScriptedParams);
+
+// The scripted trunk and its C++ head, planned: the trunk is one region that
+// calls the TorchScript module (planned on meta, run on CPU), the head
+// another; check_model runs every plan on CPU (saved bytes exact, peak
+// within 0.5 %, in budget, gradients bit-identical), and the
+// store-everything plan saves what PyTorch's hooks count for the step.
+TEST(AuditTrainersTest, ScriptedTrunkAndCppHeadArePlanned) {
+  if (!have_python()) {
+    GTEST_SKIP() << "the scripted trunk is made by .venv's Python (torch.jit.script(...).save())";
+  }
+  trainmem::CpuMemoryTracker::install();
+  const std::string path = ::testing::TempDir() + "trainmem_trunk_planned.pt";
+  const auto py = oracle("trunk 1 " + path);
+  auto trunk = std::make_shared<torch::jit::Module>(torch::jit::load(path));
+  torch::manual_seed(0);
+  struct Net : torch::nn::Module {
+    ScriptedParams trunk_params{nullptr};
+    torch::nn::Linear head{nullptr};
+  };
+  auto net = std::make_shared<Net>();
+  net->trunk_params = net->register_module("trunk", ScriptedParams(*trunk));
+  net->head = net->register_module("head", torch::nn::Linear(64, 10));
+  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-3));
+  trainmem::RegionModel m;
+  m.regions = {trainmem::Region("trunk", [trunk](const at::Tensor& x) { return trunk->forward({x}).toTensor(); },
+                                {net->trunk_params.ptr()}),
+               trainmem::Region("head", [head = net->head](const at::Tensor& f) mutable {
+                 return torch::log_softmax(head->forward(f), 1);
+               }, {net->head.ptr()})};
+  m.input = [](c10::Device d) { return at::randn({32, 3, 32, 32}, at::TensorOptions().device(d)); };
+  m.loss = [](const at::Tensor& logp) {
+    return torch::nll_loss(logp, at::zeros({logp.size(0)}, logp.options().dtype(at::kLong)));
+  };
+  m.optimizer = &opt;
+  const auto plan = trainmem::plan_regions(m, trainmem::PlanOptions().selective(false));
+  std::cout << to_string(plan);
+  EXPECT_TRUE(plan.cpu_fallbacks.empty()) << to_string(plan);
+  EXPECT_EQ(plan.name, "none");
+  trainmem::testing::check_model("scripted trunk + C++ head", *net, m, &opt);
+  EXPECT_EQ(plan.activation_bytes, 3'628'548);  // measured on CPU by check_model
+  EXPECT_EQ(plan.activation_bytes, py.at("saved_bytes").at(0).get<int64_t>());
 }
 
 TEST(AuditTrainersTest, MeterCountsThroughOffloadAndUserHooks) {
@@ -904,6 +1032,98 @@ TEST(AuditTrainersTest, RecurrentDecoderMatchesPythonAndPlans) {
   int64_t state = 0;  // Adam's exp_avg and exp_avg_sq, a bucket each
   for (const auto& b : r.buckets) state += b.category == Category::kOptimizerState ? b.bytes : 0;
   EXPECT_EQ(state, py.at("state_bytes").get<int64_t>());
+}
+
+} // namespace
+
+namespace {
+
+// Style transfer's loop (tests/audit_test.cpp OptimizedInputHasItsOwnBucket):
+// frozen conv features, Adam over the input image. The image, as a module's
+// parameter, is how plan_regions() takes an optimized input: the first
+// region ignores the step's (empty) input and returns the image, so the
+// planner counts it as a parameter (static bytes, never an activation, as
+// the audit's "optimized input" bucket and PyTorch's hooks with it
+// excluded), its gradient and the optimizer's state over it (docs/api.md,
+// RegionModel).
+struct ImageImpl : torch::nn::Module {
+  at::Tensor image = register_parameter("image", torch::rand({1, 3, 32, 32}));
+};
+TORCH_MODULE(Image);
+
+struct StyleImpl : torch::nn::Module {
+  StyleImpl() {
+    for (auto& p : features->parameters()) p.requires_grad_(false);  // frozen, as VGG is
+  }
+  torch::nn::Sequential features = register_module(
+      "features", torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)), torch::nn::ReLU(),
+                                        torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3))));
+  Image input = register_module("input", Image());
+};
+TORCH_MODULE(Style);
+
+TEST(AuditTrainersTest, OptimizedInputMatchesPythonAndPlans) {
+  trainmem::CpuMemoryTracker::install();
+  constexpr int kSteps = 2;
+  torch::manual_seed(0);
+  Style style;
+  const auto image = style->input->image;
+  torch::optim::Adam opt({image}, torch::optim::AdamOptions(0.01));
+  auto loss = [&] { return style->features->forward(image).pow(2).mean(); };
+  trainmem::Audit audit(*style->features);
+  audit.add_optimized_input(image, "image");
+  audit.add_optimizer(opt);
+  for (int i = 0; i < kSteps; ++i) {
+    auto audited = audit.step();
+    opt.zero_grad();
+    loss().backward();
+    opt.step();
+  }
+  const auto r = audit.report();
+  auto bucket = [&](const std::string& name) {
+    for (const auto& b : r.buckets) {
+      if (b.name == name) return b.bytes;
+    }
+    ADD_FAILURE() << "no bucket " << name;
+    return int64_t{-1};
+  };
+  int64_t state = 0;
+  for (const auto& b : r.buckets) state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  // Measured: the image 1 x 3 x 32 x 32 f32, its gradient, Adam's two
+  // moments of it; the frozen convs' parameters; saved: relu's output
+  // [1,8,30,30] and pow's input [1,8,28,28] (the image, conv1's input, is
+  // the optimized input's bucket).
+  EXPECT_EQ(bucket("optimized input (image)"), 12'288);
+  EXPECT_EQ(bucket("gradients"), 12'288);
+  EXPECT_EQ(bucket("parameters"), 3'232);
+  EXPECT_EQ(state, 24'576);
+  EXPECT_EQ(saved_per_step(r), (std::vector<int64_t>{53'888, 53'888}));
+  // Planned: the image as region 0.
+  trainmem::RegionModel m;
+  m.regions = {trainmem::Region("image", [img = style->input](const at::Tensor&) { return img->image; },
+                                {style->input.ptr()})};
+  for (auto& region : trainmem::regions_of(style->features)) m.regions.push_back(region);
+  m.input = [](c10::Device d) { return at::empty({0}, at::TensorOptions().device(d)); };
+  m.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
+  m.optimizer = &opt;
+  const auto plan = trainmem::plan_regions(m);
+  std::cout << to_string(plan);
+  EXPECT_EQ(plan.name, "none");
+  EXPECT_EQ(plan.activation_bytes, 53'888);
+  EXPECT_EQ(plan.static_bytes, 3'232 + 12'288 + 24'576);  // parameters with the image, Adam's state
+  EXPECT_EQ(plan.grad_bytes, 12'288);
+  trainmem::testing::check_model("style transfer's optimized image", *style, m, &opt);
+  if (!have_python()) {
+    GTEST_SKIP() << "no .venv Python: the figures are not checked against PyTorch";
+  }
+  const auto py = oracle("style " + std::to_string(kSteps));
+  EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
+  EXPECT_EQ(bucket("optimized input (image)"), py.at("image_bytes").get<int64_t>());
+  EXPECT_EQ(bucket("gradients"), py.at("grad_bytes").get<int64_t>());
+  EXPECT_EQ(bucket("parameters"), py.at("param_bytes").get<int64_t>());
+  EXPECT_EQ(state, py.at("state_bytes").get<int64_t>());
+  EXPECT_EQ(plan.activation_bytes, py.at("saved_bytes").at(0).get<int64_t>());
+  EXPECT_EQ(plan.grad_bytes, py.at("grad_bytes").get<int64_t>());
 }
 
 } // namespace

@@ -245,6 +245,18 @@ struct CpuFallback {
   std::string reason; ///< the error's first line
 };
 
+/// A choice plan_regions() could not weigh for a region: it fails when run
+/// (a checkpoint of a region whose first op writes its input in place, e.g.
+/// ReLU(inplace): backward would throw). Plain data.
+struct UnavailableChoice {
+  int64_t region = 0;                     ///< the index of its first region
+  int64_t blocks = 1;                     ///< 1, or k > 1 for a segment of k regions
+  BlockMode mode = BlockMode::kCheckpoint; ///< kCheckpoint or kSelective
+  /// Why, naming the op: "aten::relu_ writes the region's input in place,
+  /// which a checkpoint keeps" (or the error's first line).
+  std::string reason;
+};
+
 /// A checkpointing plan: per block (or region), how it runs. Plain data.
 struct CheckpointPlan {
   /// True when predicted_peak_bytes fits the budget. When false, `blocks` is
@@ -276,6 +288,9 @@ struct CheckpointPlan {
   std::vector<std::string> region_names;
   /// Regions profiled on CPU because an op has no meta kernel (plan_regions()).
   std::vector<CpuFallback> cpu_fallbacks;
+  /// Choices never made because they cannot run (plan_regions()); the plan
+  /// text lists them.
+  std::vector<UnavailableChoice> unavailable;
 
   /// The plan as Transformer::forward takes it.
   BlockCheckpointing checkpointing() const;
@@ -435,8 +450,10 @@ struct RegionModel {
 /// profiling. A region with an op that has no meta kernel is profiled on CPU
 /// at the planned shapes (a meta region model gets zero-filled CPU tensors
 /// for that) and listed in `cpu_fallbacks` with the op; the plan never fails
-/// for it. Throws if the model is empty, a callback is missing, or the loss
-/// is not a scalar.
+/// for it. A checkpoint or selective choice that cannot run (a region that
+/// starts by writing its input in place, e.g. ReLU(inplace)) is never made
+/// and is listed in `unavailable` with the op. Throws if the model is empty,
+/// a callback is missing, or the loss is not a scalar.
 ///
 /// Example:
 /// ```

@@ -12,6 +12,9 @@ trainmem's Audit reports it). Prints one JSON document.
   saved_bytes.py trunk STEPS TRUNK_PATH   (also saves the scripted trunk there)
   saved_bytes.py bptt STEPS      (embedding + 2-layer LSTM LM, truncated BPTT, state carried)
   saved_bytes.py decoder STEPS   (an LSTMCell decoder unrolled over 12 steps)
+  saved_bytes.py style STEPS     (style transfer's optimized input: frozen convs, Adam over the image)
+  saved_bytes.py gan STEPS       (the DCGAN's two planned steps, each alone: D on G's
+                                  detached output, G through D)
 """
 import json
 import sys
@@ -175,6 +178,59 @@ def dcgan(steps):
     return out
 
 
+def gan(steps):
+    """The two steps the planner plans for the DCGAN, each measured alone:
+    D's loss on G's detached output (the noise made into images without
+    grad), and G's loss through D. The figures equal the store-everything
+    plans' activation bytes (each storage once, the step's input where
+    saved, the loss's targets included)."""
+    torch.manual_seed(0)
+    noise_size, batch = 100, 64
+    g, d = Generator(noise_size), discriminator()
+    meter = Meter([g, d])
+    out = {"d_saved_bytes": [], "g_saved_bytes": []}
+    for _ in range(steps):
+        noise = torch.randn(batch, noise_size, 1, 1)
+        with torch.no_grad():
+            fake = g(noise)
+        with meter.hooks():
+            d_loss = F.binary_cross_entropy(d(fake).reshape(batch), torch.zeros(batch))
+        meter.backward(d_loss)
+        out["d_saved_bytes"].append(meter.take_step())
+        with meter.hooks():
+            g_loss = F.binary_cross_entropy(d(g(noise)).reshape(batch), torch.ones(batch))
+        meter.backward(g_loss)
+        out["g_saved_bytes"].append(meter.take_step())
+    return out
+
+
+def style(steps):
+    """tests/audit_test.cpp's OptimizedInputHasItsOwnBucket: frozen conv
+    features, Adam over the input image. The image is the optimized input,
+    not an activation: excluded from the saved bytes like a parameter."""
+    torch.manual_seed(0)
+    features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    for p in features.parameters():
+        p.requires_grad_(False)
+    image = torch.rand(1, 3, 32, 32).requires_grad_(True)
+    opt = torch.optim.Adam([image], lr=0.01)
+    meter = Meter([features])
+    meter.excluded.add(image.untyped_storage()._cdata)
+    out = {"saved_bytes": []}
+    for _ in range(steps):
+        opt.zero_grad()
+        with meter.hooks():
+            loss = features(image).pow(2).mean()
+        meter.backward(loss)
+        opt.step()
+        out["saved_bytes"].append(meter.take_step())
+    out["image_bytes"] = nbytes([image])
+    out["grad_bytes"] = nbytes([image.grad])
+    out["param_bytes"] = nbytes(features.parameters())
+    out["state_bytes"] = state_bytes(opt)
+    return out
+
+
 class Trunk(nn.Module):
     def __init__(self):
         super().__init__()
@@ -288,5 +344,6 @@ if __name__ == "__main__":
     which, steps = sys.argv[1], int(sys.argv[2])
     result = {"mnist": lambda: mnist(steps), "dcgan": lambda: dcgan(steps),
               "trunk": lambda: trunk(steps, sys.argv[3]), "bptt": lambda: bptt(steps),
-              "decoder": lambda: decoder(steps)}[which]()
+              "decoder": lambda: decoder(steps), "gan": lambda: gan(steps),
+              "style": lambda: style(steps)}[which]()
     print(json.dumps(result))
