@@ -532,11 +532,11 @@ StepPeak run_step(torch::nn::Module& module, const std::function<at::Tensor()>& 
   const auto buckets = optimizer != nullptr ? account(module, *optimizer) : account(module);
   r.param_bytes = buckets.param_bytes;
   r.optimizer_state_bytes = buckets.optimizer_state_bytes;
-  // Buffers (BatchNorm's running statistics) are left out, as before they
-  // had a bucket: StepPeak has no field for them, and its decomposition
-  // (transient = peak - parameters - state - gradients - activations) would
-  // otherwise call them transient.
-  const int64_t static_bytes = buckets.total_bytes() - buckets.buffer_bytes;
+  // Buffers (BatchNorm's running statistics) are live all step, as the
+  // parameters are: they count in every phase's peak, as the allocator
+  // counts them, and have their own term in the decomposition.
+  r.buffer_bytes = buckets.buffer_bytes;
+  const int64_t static_bytes = buckets.total_bytes();
   const int64_t start = live();
   SavedTensorMeter meter(module);
   at::Tensor loss;
@@ -617,7 +617,8 @@ StepPeak predict_step_peak(
     }
   }
   const int64_t activations = r.phase == StepPhase::kOptimizerStep ? 0 : r.activation_bytes;
-  r.transient_bytes = r.peak_bytes - r.param_bytes - r.optimizer_state_bytes - r.grad_bytes - activations;
+  r.transient_bytes =
+      r.peak_bytes - r.param_bytes - r.buffer_bytes - r.optimizer_state_bytes - r.grad_bytes - activations;
   return r;
 }
 
@@ -646,6 +647,9 @@ std::string to_string(const StepPeak& p) {
   std::ostringstream os;
   os << fmt::format("step peak {:>16} B in the {}\n", with_commas(p.peak_bytes), to_string(p.phase));
   os << fmt::format("  parameters            {:>16} B\n", with_commas(p.param_bytes));
+  if (p.buffer_bytes != 0) {  // most nets have none
+    os << fmt::format("  buffers               {:>16} B\n", with_commas(p.buffer_bytes));
+  }
   os << fmt::format("  optimizer state       {:>16} B\n", with_commas(p.optimizer_state_bytes));
   if (p.grad_bytes >= 0) {
     os << fmt::format("  gradients at the peak {:>16} B\n", with_commas(p.grad_bytes));
@@ -1697,7 +1701,7 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
 // plus the region's CPU RNG stash), F(c) (its forward's peak), W(c) (its
 // backward's peak above its stored bytes: incoming gradient, recompute, its
 // gradients, temporaries) and cost(c). With S_i the bytes stored before
-// block i, Z = parameters + AdamW state + input, G_>i later blocks' gradients:
+// block i, Z = parameters + buffers + AdamW state + input, G_>i later blocks' gradients:
 //   forward of block i   Z + S_i + F_i
 //   backward of block i  Z + S_i + stored_i + G_>i + W_i
 //   loss head            Z + S_L + (its forward peak, or stored + backward)
@@ -1784,6 +1788,24 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       for (const auto& m : regions[i].modules()) {
         for (const auto& p : m->parameters(true)) {
           region_trains[i] = region_trains[i] || p.requires_grad();
+        }
+      }
+    }
+  }
+  // Buffers (BatchNorm's running statistics), each storage once and none a
+  // parameter holds: live all step, as the accountant's buffer bucket.
+  int64_t buffer_bytes = 0;
+  {
+    std::unordered_set<const c10::StorageImpl*> storages;
+    for (const auto& p : params) {
+      storages.insert(p.storage().unsafeGetStorageImpl());
+    }
+    for (const auto& region : regions) {
+      for (const auto& m : region.modules()) {
+        for (const auto& b : m->buffers(/*recurse=*/true)) {
+          if (b.defined() && b.has_storage() && storages.insert(b.storage().unsafeGetStorageImpl()).second) {
+            buffer_bytes += storage_bytes(b);
+          }
         }
       }
     }
@@ -1972,7 +1994,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     head = profile_head(model.loss, specs[L], /*cpu=*/true);
   }
 
-  const int64_t Z = param_bytes + opt_prof.state_bytes + input_bytes;
+  const int64_t Z = param_bytes + buffer_bytes + opt_prof.state_bytes + input_bytes;
   std::vector<int64_t> grads_after(L + 1, 0);  // gradients of regions >= i
   for (int64_t i = L - 1; i >= 0; --i) {
     grads_after[i] = grads_after[i + 1] + region_grad_bytes[i];
