@@ -389,8 +389,38 @@ StaticFormula predict_static_bytes(int64_t n, Recipe recipe) {
   TORCH_CHECK(false, "predict_static_bytes: unknown recipe ", static_cast<int>(recipe));
 }
 
-StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recipe) {
-  auto scan = scan_params(module);
+namespace {
+
+// Note [Buffers are replicated]
+// A module's buffers (BatchNorm's running_mean, running_var and
+// num_batches_tracked) are static bytes no recipe here predicts: the
+// formula's last term is their bytes as they are stored (the accountant's
+// buffer_bytes), in whatever dtype the model made them. No sharding scheme
+// splits them: DeepSpeed's ZeRO partitions parameters, gradients and
+// optimizer state only, and PyTorch FSDP flattens and shards parameters only;
+// every rank keeps each buffer whole (FSDP moves and may cast them,
+// MixedPrecision's buffer_dtype, and DDP broadcasts rank 0's copies before
+// each forward by default, but none of them splits a buffer). So
+// shard_static_bytes() keeps Bucket::kBuffers replicated at every stage and
+// on the device (no offload moves it).
+void add_buffer_term(StaticFormula& f, const ParamScan& scan) {
+  const int64_t bytes = scan.buffers.bytes();
+  if (scan.num_buffers == 0) {
+    return;
+  }
+  FormulaTerm t;
+  t.name = "buffers";
+  t.bytes = bytes;
+  t.bytes_per_param = f.num_params > 0 ? static_cast<double>(bytes) / static_cast<double>(f.num_params) : 0.0;
+  t.shard_first = false;
+  t.bucket = Bucket::kBuffers;
+  f.terms.push_back(t);
+  f.total_bytes += bytes;
+  f.bytes_per_param =
+      f.num_params > 0 ? static_cast<double>(f.total_bytes) / static_cast<double>(f.num_params) : 0.0;
+}
+
+StaticFormula predict_parameter_bytes(const ParamScan& scan, const torch::nn::Module& module, Recipe recipe) {
   if (recipe != Recipe::kFp32Adafactor) {
     auto f = predict_static_bytes(scan.num_trainable, recipe);
     const int64_t frozen = scan.num_params - scan.num_trainable;
@@ -437,6 +467,15 @@ StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recip
   return f;
 }
 
+} // namespace
+
+StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recipe) {
+  const auto scan = scan_params(module);
+  auto f = predict_parameter_bytes(scan, module, recipe);
+  add_buffer_term(f, scan);
+  return f;
+}
+
 std::string to_string(Recipe recipe) {
   switch (recipe) {
     case Recipe::kFp32AdamW: return "fp32 AdamW";
@@ -451,11 +490,16 @@ std::string to_string(Recipe recipe) {
 
 std::string to_string(const StaticFormula& f) {
   std::string terms;
+  std::string whole;  // terms not per parameter (buffers): "+ 208 B buffers"
   for (const auto& t : f.terms) {
+    if (t.bucket == Bucket::kBuffers) {
+      whole += fmt::format(" + {} B {}", with_commas(t.bytes), t.name);
+      continue;
+    }
     terms += fmt::format("{}{:g} {}", terms.empty() ? "" : " + ", t.bytes_per_param, t.name);
   }
-  return fmt::format("{}: P = {} x ({}) = {} B ({:g} B/param)", to_string(f.recipe),
-                     with_commas(f.num_params), terms, with_commas(f.total_bytes),
+  return fmt::format("{}: P = {} x ({}){} = {} B ({:g} B/param)", to_string(f.recipe),
+                     with_commas(f.num_params), terms, whole, with_commas(f.total_bytes),
                      f.bytes_per_param);
 }
 
@@ -478,6 +522,7 @@ bool is_sharded(Bucket bucket, int64_t stage) {
     case Bucket::kOptimizerState: return stage >= 1;
     case Bucket::kGradients: return stage >= 2;
     case Bucket::kParameters: return stage >= 3;
+    case Bucket::kBuffers: return false;  // Note [Buffers are replicated]
   }
   return false;
 }
@@ -487,6 +532,7 @@ bool is_offloaded(Bucket bucket, const ShardingOptions& o) {
     case Bucket::kOptimizerState: return o.offload_optimizer();
     case Bucket::kGradients: return o.offload_optimizer() && o.zero_stage() >= 2;
     case Bucket::kParameters: return o.offload_parameters();
+    case Bucket::kBuffers: return false;
   }
   return false;
 }
@@ -496,6 +542,7 @@ const char* bucket_name(Bucket b) {
     case Bucket::kParameters: return "parameters";
     case Bucket::kGradients: return "gradients";
     case Bucket::kOptimizerState: return "optimizer state";
+    case Bucket::kBuffers: return "buffers";
   }
   return "unknown";
 }

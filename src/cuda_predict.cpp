@@ -18,6 +18,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
+#include "detail/backward_on_meta.h"
 #include "detail/conv_scratch.h"
 #include "detail/intercept.h"
 #include "detail/optimizer_state.h"
@@ -422,7 +423,9 @@ CudaStepPrediction predict_cuda_step_peak(
                   "predict_cuda_step_peak: loss_fn must return a scalar meta tensor, but got ",
                   loss.defined() ? loss.sizes() : at::IntArrayRef{});
       m.backward = events.size();
-      loss.backward();
+      // Gradients meet as the CUDA engine adds them: in place where it
+      // holds the only reference (Note [Gradient accumulation on meta]).
+      detail::BackwardOnMeta::run(loss);
       loss = at::Tensor();
       m.optimizer = events.size();
       if (optimizer != nullptr) {

@@ -49,6 +49,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
 #include "trainmem/format.h"
+#include "detail/backward_on_meta.h"
 #include "detail/checkpoint_state.h"
 #include "detail/intercept.h"
 #include "detail/optimizer_state.h"
@@ -288,88 +289,8 @@ class MetaCounter final : public c10::Allocator {
   std::atomic<int64_t> grad_at_peak_{0};
 };
 
-// Note [Gradient accumulation on meta]
-// Where two gradients meet (a tensor used twice in forward: a residual, a
-// recurrent state, the steps of one input, a weight used at every step),
-// the autograd engine adds them in the next node's input buffer, between
-// nodes. On CPU (and CUDA) it adds in place when it holds the only
-// reference to one of the two (InputBuffer's can_accumulate_inplace), else
-// into a new buffer; on meta always into a new buffer, for
-// at::isTensorSubclassLike counts the meta backend as a subclass. A meta
-// backward whose peak sat on such a transient was over-predicted by it (an
-// LSTMCell decoder unrolled over 12 steps: +43,008 B, 4.2 %). So, while a
-// meta backward runs, a RecordFunction callback on BACKWARD_FUNCTION scopes
-// marks where nodes start and end, and between them (where only the
-// engine's accumulation runs) an aten::add.Tensor of two meta tensors is
-// decided as the CPU decides: when the CPU would add in place, the result
-// shares that operand's storage and nothing is allocated; else it runs.
-// The intercept stack holds one reference to each argument of its own, so
-// "the only reference" is a use count of two.
-thread_local bool t_between_backward_nodes = false;
-
-class BackwardOnMeta final : public detail::InterceptHandler {
- public:
-  BackwardOnMeta()
-      : handle_(at::addThreadLocalCallback(at::RecordFunctionCallback(&on_node_start, &on_node_end)
-                                               .scopes({at::RecordScope::BACKWARD_FUNCTION}))),
-        scope_((detail::register_intercept_fallback(), *this)) {}
-  ~BackwardOnMeta() override {
-    at::removeCallback(handle_);
-    t_between_backward_nodes = false;
-  }
-  BackwardOnMeta(const BackwardOnMeta&) = delete;
-  BackwardOnMeta& operator=(const BackwardOnMeta&) = delete;
-
-  static void run(const at::Tensor& loss) {
-    BackwardOnMeta guard;
-    loss.backward();
-  }
-
-  void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-              torch::jit::Stack* stack) override {
-    if (t_between_backward_nodes && !at::GradMode::is_enabled() && op.schema().name() == "aten::add" &&
-        op.schema().overload_name() == "Tensor" && stack->size() >= 3) {
-      const auto& a = (*stack)[stack->size() - 3];
-      const auto& b = (*stack)[stack->size() - 2];
-      const auto& alpha = (*stack)[stack->size() - 1];
-      if (a.isTensor() && b.isTensor() && alpha.isScalar() && alpha.toScalar().equal(1)) {
-        const at::Tensor& x = a.toTensor();
-        const at::Tensor& y = b.toTensor();
-        const auto stealable = [](const at::Tensor& t) {
-          return t.defined() && t.is_meta() && t.layout() == at::kStrided && t.is_non_overlapping_and_dense() &&
-              t.use_count() == 2 && t.has_storage() && t.storage().use_count() == 1;
-        };
-        if (x.defined() && y.defined() && x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type()) {
-          const at::Tensor* into = stealable(x) ? &x : stealable(y) ? &y : nullptr;
-          if (into != nullptr) {
-            at::Tensor result;
-            {
-              c10::impl::ExcludeDispatchKeyGuard no_intercept(detail::kInterceptKey);
-              at::AutoDispatchBelowADInplaceOrView below;
-              result = at::empty({0}, into->options())
-                           .set_(into->storage(), into->storage_offset(), into->sizes(), into->strides());
-            }
-            torch::jit::drop(*stack, 3);
-            stack->emplace_back(std::move(result));
-            return;
-          }
-        }
-      }
-    }
-    scope.call_next(op, ks, stack);
-  }
-
- private:
-  static std::unique_ptr<at::ObserverContext> on_node_start(const at::RecordFunction& /*fn*/) {
-    t_between_backward_nodes = false;
-    return nullptr;
-  }
-  static void on_node_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
-    t_between_backward_nodes = true;
-  }
-  at::CallbackHandle handle_;
-  detail::InterceptScope scope_;
-};
+// Meta backward runs through detail::BackwardOnMeta: Note [Gradient
+// accumulation on meta] in src/detail/backward_on_meta.cpp.
 
 // Note [CPU matmul operand copies on meta]
 // LibTorch's CPU addmm/mm (addmm_impl_cpu_ in aten/src/ATen/native/
@@ -565,11 +486,11 @@ StepPeak run_step(torch::nn::Module& module, const std::function<at::Tensor()>& 
   const auto buckets = optimizer != nullptr ? account(module, *optimizer) : account(module);
   r.param_bytes = buckets.param_bytes;
   r.optimizer_state_bytes = buckets.optimizer_state_bytes;
-  // Buffers (BatchNorm's running statistics) are left out, as before they
-  // had a bucket: StepPeak has no field for them, and its decomposition
-  // (transient = peak - parameters - state - gradients - activations) would
-  // otherwise call them transient.
-  const int64_t static_bytes = buckets.total_bytes() - buckets.buffer_bytes;
+  // Buffers (BatchNorm's running statistics) are live all step, as the
+  // parameters are: they count in every phase's peak, as the allocator
+  // counts them, and have their own term in the decomposition.
+  r.buffer_bytes = buckets.buffer_bytes;
+  const int64_t static_bytes = buckets.total_bytes();
   const int64_t start = live();
   SavedTensorMeter meter(module);
   at::Tensor loss;
@@ -637,7 +558,7 @@ StepPeak predict_step_peak(
           grad_at_peak.push_back(0);
           counter.reset_peak();
         },
-        [&] { return counter.peak(); }, &BackwardOnMeta::run);
+        [&] { return counter.peak(); }, &detail::BackwardOnMeta::run);
     grad_at_peak.back() = counter.grad_at_peak();
   }
   // Decompose: static buckets, activations at the start of backward, the rest.
@@ -650,7 +571,8 @@ StepPeak predict_step_peak(
     }
   }
   const int64_t activations = r.phase == StepPhase::kOptimizerStep ? 0 : r.activation_bytes;
-  r.transient_bytes = r.peak_bytes - r.param_bytes - r.optimizer_state_bytes - r.grad_bytes - activations;
+  r.transient_bytes =
+      r.peak_bytes - r.param_bytes - r.buffer_bytes - r.optimizer_state_bytes - r.grad_bytes - activations;
   return r;
 }
 
@@ -679,6 +601,9 @@ std::string to_string(const StepPeak& p) {
   std::ostringstream os;
   os << fmt::format("step peak {:>16} B in the {}\n", with_commas(p.peak_bytes), to_string(p.phase));
   os << fmt::format("  parameters            {:>16} B\n", with_commas(p.param_bytes));
+  if (p.buffer_bytes != 0) {  // most nets have none
+    os << fmt::format("  buffers               {:>16} B\n", with_commas(p.buffer_bytes));
+  }
   os << fmt::format("  optimizer state       {:>16} B\n", with_commas(p.optimizer_state_bytes));
   if (p.grad_bytes >= 0) {
     os << fmt::format("  gradients at the peak {:>16} B\n", with_commas(p.grad_bytes));
@@ -1324,7 +1249,7 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     if (run.cpu) {
       loss.backward();
     } else {
-      BackwardOnMeta::run(loss);
+      detail::BackwardOnMeta::run(loss);
     }
   }
   prof.choice.backward_transient_bytes = loss.defined() ? counter.peak() - after_forward : 0;
@@ -1380,7 +1305,7 @@ HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& los
   if (cpu) {
     loss.backward();
   } else {
-    BackwardOnMeta::run(loss);
+    detail::BackwardOnMeta::run(loss);
   }
   h.backward_transient_bytes = counter.peak() - after;
   return h;
@@ -1777,7 +1702,7 @@ BlockCheckpointing CheckpointPlan::checkpointing() const {
 // plus the region's CPU RNG stash), F(c) (its forward's peak), W(c) (its
 // backward's peak above its stored bytes: incoming gradient, recompute, its
 // gradients, temporaries) and cost(c). With S_i the bytes stored before
-// block i, Z = parameters + AdamW state + input, G_>i later blocks' gradients:
+// block i, Z = parameters + buffers + AdamW state + input, G_>i later blocks' gradients:
 //   forward of block i   Z + S_i + F_i
 //   backward of block i  Z + S_i + stored_i + G_>i + W_i
 //   loss head            Z + S_L + (its forward peak, or stored + backward)
@@ -1864,6 +1789,24 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
       for (const auto& m : regions[i].modules()) {
         for (const auto& p : m->parameters(true)) {
           region_trains[i] = region_trains[i] || p.requires_grad();
+        }
+      }
+    }
+  }
+  // Buffers (BatchNorm's running statistics), each storage once and none a
+  // parameter holds: live all step, as the accountant's buffer bucket.
+  int64_t buffer_bytes = 0;
+  {
+    std::unordered_set<const c10::StorageImpl*> storages;
+    for (const auto& p : params) {
+      storages.insert(p.storage().unsafeGetStorageImpl());
+    }
+    for (const auto& region : regions) {
+      for (const auto& m : region.modules()) {
+        for (const auto& b : m->buffers(/*recurse=*/true)) {
+          if (b.defined() && b.has_storage() && storages.insert(b.storage().unsafeGetStorageImpl()).second) {
+            buffer_bytes += storage_bytes(b);
+          }
         }
       }
     }
@@ -2100,7 +2043,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     head = profile_head(model.loss, specs[L], /*cpu=*/true);
   }
 
-  const int64_t Z = param_bytes + opt_prof.state_bytes + input_bytes;
+  const int64_t Z = param_bytes + buffer_bytes + opt_prof.state_bytes + input_bytes;
   std::vector<int64_t> grads_after(L + 1, 0);  // gradients of regions >= i
   for (int64_t i = L - 1; i >= 0; --i) {
     grads_after[i] = grads_after[i + 1] + region_grad_bytes[i];

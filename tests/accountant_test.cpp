@@ -279,6 +279,59 @@ TEST(AccountantTest, FormulasShowTheirTerms) {
   EXPECT_THROW(trainmem::predict_static_bytes(-5, trainmem::Recipe::kFp32AdamW), c10::Error);
 }
 
+// Issue 22: a module with buffers (BatchNorm's running statistics) gets a
+// last formula term "buffers" of their stored bytes, which no ZeRO stage
+// shards (FSDP and DeepSpeed keep buffers whole on every rank) and no offload
+// moves. The net of BuffersAreABucketOfTheirOwn: 1,440 parameters, 208 B of
+// buffers.
+TEST(AccountantTest, FormulasOfAModelWithBuffersHaveABufferTerm) {
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)), torch::nn::BatchNorm2d(8),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3)), torch::nn::BatchNorm2d(16));
+  constexpr int64_t P = 8 * 3 * 3 * 3 + 8 + 8 + 8 + 16 * 8 * 3 * 3 + 16 + 16 + 16;  // 1,440
+  constexpr int64_t kBuffers = (2 * 8 * 4 + 8) + (2 * 16 * 4 + 8);                  // 208
+  ASSERT_EQ(trainmem::account(*net).buffer_bytes, kBuffers);
+  const auto f = trainmem::predict_static_bytes(*net, trainmem::Recipe::kFp32AdamW);
+  EXPECT_EQ(f.num_params, P);
+  EXPECT_EQ(f.total_bytes, 23248);  // 16 B x 1,440 + 208 B
+  ASSERT_EQ(f.terms.size(), 5u);
+  EXPECT_EQ(f.terms.back().name, "buffers");
+  EXPECT_EQ(f.terms.back().bucket, trainmem::Bucket::kBuffers);
+  EXPECT_EQ(f.terms.back().bytes, kBuffers);
+  EXPECT_FALSE(f.terms.back().shard_first);
+  const auto text = trainmem::to_string(f);
+  EXPECT_NE(text.find("P = 1,440 x (4 parameters (fp32) + 4 gradients (fp32) + 4 AdamW exp_avg (fp32) + 4 "
+                      "AdamW exp_avg_sq (fp32)) + 208 B buffers = 23,248 B"),
+            std::string::npos)
+      << text;
+  // Every recipe, Adafactor included, ends with the same term, after the
+  // parameters' terms as they were.
+  for (auto recipe : {trainmem::Recipe::kMixedAdamW, trainmem::Recipe::kFp32SGD, trainmem::Recipe::kFp32Adafactor}) {
+    const auto g = trainmem::predict_static_bytes(*net, recipe);
+    EXPECT_EQ(g.terms.back().bytes, kBuffers) << trainmem::to_string(recipe);
+    if (recipe != trainmem::Recipe::kFp32Adafactor) {
+      EXPECT_EQ(g.total_bytes, trainmem::predict_static_bytes(P, recipe).total_bytes + kBuffers);
+    }
+  }
+  EXPECT_EQ(trainmem::predict_static_bytes(*net, trainmem::Recipe::kFp32SGD).total_bytes, 8 * P + kBuffers);
+  // Replicated at every stage, on the device even with everything offloaded.
+  // ZeRO-3 over 4 ranks: 360 elements of each per-element term per rank.
+  const auto z3 = trainmem::shard_static_bytes(
+      f, trainmem::ShardingOptions().zero_stage(3).world_size(4).offload_optimizer(true).offload_parameters(true));
+  ASSERT_EQ(z3.terms.size(), 5u);
+  EXPECT_FALSE(z3.terms.back().sharded);
+  EXPECT_FALSE(z3.terms.back().on_host);
+  EXPECT_EQ(z3.terms.back().per_rank_bytes, kBuffers);
+  EXPECT_EQ(z3.device_per_rank_bytes, kBuffers);    // the buffers alone
+  EXPECT_EQ(z3.host_per_rank_bytes, 4 * 4 * 360);   // parameter, gradient, m and v shards
+  for (int64_t stage : {0, 1, 2}) {
+    const auto z = trainmem::shard_static_bytes(f, trainmem::ShardingOptions().zero_stage(stage).world_size(4));
+    EXPECT_EQ(z.terms.back().per_rank_bytes, kBuffers) << stage;
+  }
+  EXPECT_NE(trainmem::to_string(z3).find("replicated (buffers)"), std::string::npos) << trainmem::to_string(z3);
+  // No buffers, no term (the formulas of most nets keep their terms).
+  EXPECT_EQ(trainmem::predict_static_bytes(*torch::nn::Linear(4, 4), trainmem::Recipe::kFp32AdamW).terms.size(), 4u);
+}
+
 TEST(AccountantTest, AdafactorKeepsFactoredState) {
   torch::nn::Linear lin(300, 200);  // weight (200, 300), bias (200)
   auto f = trainmem::predict_static_bytes(*lin, trainmem::Recipe::kFp32Adafactor);

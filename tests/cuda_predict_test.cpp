@@ -76,6 +76,34 @@ TEST(CudaPredictTest, LinearStepByHand) {
   EXPECT_GE(p.max_memory_reserved_bytes, p.max_memory_allocated_bytes);
 }
 
+// A parameter used twice: loss (w * w).sum(), w 1 Mi floats (4 MiB), no
+// matmul (no workspace). MulBackward0 returns grad * w twice (4 MiB each),
+// both for w's AccumulateGrad; the engine adds the second to the first in
+// its input buffer, in place on CUDA as on CPU (it holds the only reference:
+// input_buffer.cpp, can_accumulate_inplace), and the sum becomes w's gradient.
+// Live then: w, the two gradients, the loss and the backward's seed (512 B
+// blocks): 3 x 4 MiB + 2 x 512 B. Before the CUDA prediction ran its
+// backward as the engine accumulates (Note [Gradient accumulation on meta]),
+// the add ran out of place on meta and the peak was one 4 MiB tensor more
+// (16,778,240 B, worked by hand, not run).
+struct TwiceImpl : torch::nn::Module {
+  TwiceImpl() { w = register_parameter("w", at::empty({1 << 20}, at::kMeta)); }
+  at::Tensor w;
+};
+TORCH_MODULE(Twice);
+
+TEST(CudaPredictTest, GradientsOfATensorUsedTwiceAccumulateInPlace) {
+  Twice net;
+  const auto p = trainmem::predict_cuda_step_peak(*net, [&] { return (net->w * net->w).sum(); });
+  EXPECT_EQ(p.max_memory_allocated_bytes, 3 * 4 * MiB + 2 * 512) << trainmem::to_string(p);
+  EXPECT_EQ(p.phase, trainmem::Phase::kBackward);
+  EXPECT_EQ(p.terms.param_bytes, 4 * MiB);
+  // The first gradient's storage holds the sum and becomes w's gradient;
+  // the second, the loss and the seed are the step's.
+  EXPECT_EQ(p.terms.grad_bytes, 4 * MiB);
+  EXPECT_EQ(p.terms.step_bytes, 4 * MiB + 4 + 4);
+}
+
 TEST(CudaPredictTest, WorkspacesMadeEarlierAreResidentAndNotMadeAgain) {
   auto lin = meta_linear(1024, 1024);
   trainmem::CudaWorkspaces warm;

@@ -7,6 +7,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
@@ -141,6 +144,70 @@ TEST(PlannerTest, PredictedStepPeakOfAnMlpStack) {
     EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes);
     EXPECT_LT(std::abs(err), 0.005) << "checkpointed " << ckpt;
   }
+}
+
+// Issue 22: BatchNorm's running statistics are live all step, as the
+// allocator sees them, so the predicted peak counts them (StepPeak::
+// buffer_bytes; before, predict_step_peak and measure_step_peak both left
+// them out, and a user comparing the prediction with the allocator's real
+// peak found it 208 B short on this net). Predicted on meta == measured by
+// measure_step_peak == the live bytes above what was live before the model
+// was made, read from a PeakWindow over one more step.
+torch::nn::Sequential conv_bn_net() {
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)),
+                               torch::nn::BatchNorm2d(8), torch::nn::ReLU(),
+                               torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)),
+                               torch::nn::BatchNorm2d(16), torch::nn::ReLU());
+}
+
+TEST(PlannerTest, PredictedStepPeakOfABatchNormNetCountsItsBuffers) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  constexpr int64_t kBuffers = (2 * 8 * 4 + 8) + (2 * 16 * 4 + 8);  // running mean, var; num_batches_tracked
+  torch::manual_seed(0);
+  auto meta = conv_bn_net();
+  trainmem::to_meta(*meta);
+  torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto loss_of = [](torch::nn::Sequential& net, const at::Tensor& x) { return net->forward(x).pow(2).mean(); };
+  const auto predicted = trainmem::predict_step_peak(*meta, [&] {
+    return loss_of(meta, at::empty({8, 3, 32, 32}, at::kMeta));
+  }, &meta_opt);
+
+  const int64_t base = tracker.stats().allocated_bytes;
+  auto cpu = conv_bn_net();
+  torch::optim::AdamW cpu_opt(cpu->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto measured = trainmem::measure_step_peak(*cpu, [&] {
+    return loss_of(cpu, torch::randn({8, 3, 32, 32}));
+  }, &cpu_opt);
+  int64_t window_peak = 0;
+  {
+    for (auto& p : cpu->parameters()) {
+      p.mutable_grad().reset();
+    }
+    trainmem::PeakWindow window(tracker);
+    loss_of(cpu, torch::randn({8, 3, 32, 32})).backward();
+    cpu_opt.step();
+    window_peak = window.peak_bytes() - base;
+  }
+  std::cout << trainmem::to_string(predicted) << "measured " << measured.peak_bytes << " B, window "
+            << window_peak << " B\n";
+  EXPECT_EQ(predicted.buffer_bytes, kBuffers);
+  EXPECT_EQ(measured.buffer_bytes, kBuffers);
+  EXPECT_EQ(predicted.peak_bytes, measured.peak_bytes);
+  EXPECT_EQ(predicted.peak_bytes, window_peak);
+  EXPECT_EQ(predicted.phase, measured.phase);
+  // Measured 2026-12-03: 3,786,008 B in backward, all three equal. Off the
+  // peak, the forward and optimizer-step peaks are 12 B below the CPU's
+  // (2,213,140 vs 2,213,152 B, 32,464 vs 32,476 B): a small CPU allocation
+  // the meta run does not see, not looked into (issue 22).
+  EXPECT_EQ(predicted.backward_peak_bytes, measured.backward_peak_bytes);
+  EXPECT_EQ(predicted.phase, trainmem::StepPhase::kBackward);
+  EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes);
+  // The decomposition stays exact with the buffers a term of their own.
+  const int64_t activations = predicted.phase == trainmem::StepPhase::kOptimizerStep ? 0 : predicted.activation_bytes;
+  EXPECT_EQ(predicted.transient_bytes, predicted.peak_bytes - predicted.param_bytes - predicted.buffer_bytes -
+                                           predicted.optimizer_state_bytes - predicted.grad_bytes - activations);
+  EXPECT_NE(trainmem::to_string(predicted).find("  buffers                            208 B"), std::string::npos)
+      << trainmem::to_string(predicted);
 }
 
 // Seed 001's residual stack: x + Linear(GELU(Linear(x))) per block, h.sum().

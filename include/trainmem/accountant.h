@@ -112,6 +112,9 @@ enum class Bucket {
   kParameters,     ///< the weights the model computes with
   kGradients,      ///< their gradients
   kOptimizerState, ///< optimizer-side: master weights, moments
+  /// Module buffers (BatchNorm's running statistics): never sharded, every
+  /// rank keeps them whole (Note [Buffers are replicated] in accountant.cpp).
+  kBuffers,
 };
 
 /// One term of a static-bytes formula.
@@ -138,7 +141,9 @@ StaticFormula predict_static_bytes(int64_t num_params, Recipe recipe);
 /// Predicts the static bytes of `module`'s trainable parameters under `recipe`
 /// (Adafactor: row (rows, 1) and column (1, cols) state for each matrix, a
 /// full second moment for vectors). Frozen parameters count as parameters
-/// only.
+/// only. When the module has buffers (BatchNorm's running statistics), a last
+/// term "buffers" (Bucket::kBuffers) holds their bytes as they are stored
+/// (the accountant's StaticBuckets::buffer_bytes; no recipe changes them).
 StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recipe);
 
 /// "fp32 AdamW", "mixed-precision AdamW", ...

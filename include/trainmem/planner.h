@@ -91,6 +91,9 @@ std::string to_string(StepPhase phase);
 /// the start of backward + the largest transient. Plain data; all in bytes.
 struct StepPeak {
   int64_t param_bytes = 0;           ///< parameters (live all step)
+  /// Module buffers (BatchNorm's running statistics; live all step), the
+  /// accountant's StaticBuckets::buffer_bytes.
+  int64_t buffer_bytes = 0;
   int64_t optimizer_state_bytes = 0; ///< optimizer state (live all step)
   /// Gradients live when the peak is reached (all of them in the optimizer
   /// step, those of the blocks already done in backward); -1 if unknown.
@@ -99,7 +102,8 @@ struct StepPeak {
   /// selective checkpoint caches included).
   int64_t activation_bytes = 0;
   /// The rest of the peak: recomputed activations, gradient buffers,
-  /// temporaries (peak_bytes - the terms above; in backward the activations
+  /// temporaries (peak_bytes - the terms above, module buffers included; in
+  /// backward the activations
   /// already freed make it smaller than the true transient). -1 if unknown.
   int64_t transient_bytes = 0;
   int64_t peak_bytes = 0;            ///< the step's peak live bytes
@@ -267,7 +271,7 @@ struct CheckpointPlan {
   std::string name;                    ///< "none", "full", "every_2", "chosen", "selective"...
   int64_t predicted_peak_bytes = 0;    ///< the step's predicted peak, in bytes
   StepPhase peak_phase = StepPhase::kBackward; ///< where that peak is
-  int64_t static_bytes = 0;            ///< parameters + optimizer state + input, in bytes
+  int64_t static_bytes = 0;            ///< parameters + buffers + optimizer state + input, in bytes
   int64_t grad_bytes = 0;              ///< the gradient bucket, in bytes
   /// Stored at the start of backward (the input included, as the meter counts it), in bytes.
   int64_t activation_bytes = 0;

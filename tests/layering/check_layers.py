@@ -36,6 +36,7 @@ RANKS = {
 LAYERS = {
     "src/detail/": "detail",
     "src/detail/alloc_recorder.h": "core",
+    "src/detail/backward_on_meta.h": "detail", "src/detail/backward_on_meta.cpp": "detail",
     "src/detail/distributed_json.h": "audit",
     "include/trainmem/hooks.h": "core", "src/hooks.cpp": "core",
     "include/trainmem/meter.h": "core", "src/meter.cpp": "core",
