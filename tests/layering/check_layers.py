@@ -49,6 +49,7 @@ LAYERS = {
     "include/trainmem/accountant.h": "core", "src/accountant.cpp": "core",
     "include/trainmem/meta.h": "core", "src/meta.cpp": "core", "src/meta_rnn.cpp": "core",
     "src/detail/cpu_probe.h": "core",
+    "src/detail/optimizer_state_walk.h": "core",
     "include/trainmem/timeline.h": "core", "src/timeline.cpp": "core",
     "include/trainmem/audit.h": "audit", "src/audit.cpp": "audit",
     "include/trainmem/report.h": "audit", "src/report.cpp": "audit",
