@@ -36,6 +36,7 @@ LAYERS = {
     "src/detail/": "detail",
     "src/detail/alloc_recorder.h": "core",
     "src/detail/distributed_json.h": "audit",
+    "src/detail/report_json.h": "audit",
     "include/trainmem/hooks.h": "core", "src/hooks.cpp": "core",
     "include/trainmem/meter.h": "core", "src/meter.cpp": "core",
     "include/trainmem/checkpoint.h": "core", "src/checkpoint.cpp": "core",
