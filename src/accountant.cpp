@@ -22,6 +22,7 @@
 
 #include "trainmem/format.h"
 
+#include "detail/optimizer_state_walk.h"
 #include "detail/storage_set.h"
 
 namespace trainmem {
@@ -160,39 +161,6 @@ class StateWalk {
   std::map<std::string, StateBytes> by_name_;
 };
 
-void walk_state(StateWalk& walk, const torch::optim::OptimizerParamState& s) {
-  using namespace torch::optim;
-  if (const auto* a = dynamic_cast<const AdamParamState*>(&s)) {
-    walk.add("exp_avg", a->exp_avg());
-    walk.add("exp_avg_sq", a->exp_avg_sq());
-    walk.add("max_exp_avg_sq", a->max_exp_avg_sq());
-  } else if (const auto* w = dynamic_cast<const AdamWParamState*>(&s)) {
-    walk.add("exp_avg", w->exp_avg());
-    walk.add("exp_avg_sq", w->exp_avg_sq());
-    walk.add("max_exp_avg_sq", w->max_exp_avg_sq());
-  } else if (const auto* g = dynamic_cast<const SGDParamState*>(&s)) {
-    walk.add("momentum_buffer", g->momentum_buffer());
-  } else if (const auto* r = dynamic_cast<const RMSpropParamState*>(&s)) {
-    walk.add("square_avg", r->square_avg());
-    walk.add("momentum_buffer", r->momentum_buffer());
-    walk.add("grad_avg", r->grad_avg());
-  } else if (const auto* ag = dynamic_cast<const AdagradParamState*>(&s)) {
-    walk.add("sum", ag->sum());
-  } else if (const auto* l = dynamic_cast<const LBFGSParamState*>(&s)) {
-    walk.add("d", l->d());
-    walk.add("H_diag", l->H_diag());
-    walk.add("prev_flat_grad", l->prev_flat_grad());
-    walk.add_all("old_dirs", l->old_dirs());
-    walk.add_all("old_stps", l->old_stps());
-    walk.add_all("ro", l->ro());
-    if (l->al()) {
-      walk.add_all("al", *l->al());
-    }
-  } else {
-    walk.add_generic(s);
-  }
-}
-
 // Optimizer name and predicted state bytes from its type and per-group
 // options. `group_bytes[i]` is group i's trainable parameter bytes.
 std::pair<std::string, int64_t> predict_state(
@@ -296,11 +264,9 @@ StaticBuckets account(
   b.predicted_optimizer_state_bytes = predicted;
 
   StateWalk walk;
-  for (const auto& [key, state] : optimizer.state()) {
-    if (state) {
-      walk_state(walk, *state);
-    }
-  }
+  detail::for_each_state_tensor(
+      optimizer, [&](const std::string& field, const at::Tensor& t) { walk.add(field, t); },
+      [&](const torch::optim::OptimizerParamState& s) { walk.add_generic(s); });
   b.optimizer_state_bytes = walk.bytes();
   b.state_by_name = walk.by_name();
   if (predicted < 0) {
@@ -790,3 +756,53 @@ std::string to_string(const Reconciliation& r) {
 }
 
 } // namespace trainmem
+
+namespace trainmem::detail {
+
+// Note [One optimizer-state walk] (detail/optimizer_state_walk.h).
+void for_each_state_tensor(const torch::optim::Optimizer& optimizer, const StateTensorFn& tensor,
+                           const UnknownStateFn& unknown) {
+  using namespace torch::optim;
+  auto all = [&](const std::string& field, const auto& tensors) {
+    for (const auto& t : tensors) {
+      tensor(field, t);
+    }
+  };
+  for (const auto& [key, state] : optimizer.state()) {
+    if (!state) {
+      continue;
+    }
+    const auto* s = state.get();
+    if (const auto* a = dynamic_cast<const AdamParamState*>(s)) {
+      tensor("exp_avg", a->exp_avg());
+      tensor("exp_avg_sq", a->exp_avg_sq());
+      tensor("max_exp_avg_sq", a->max_exp_avg_sq());
+    } else if (const auto* w = dynamic_cast<const AdamWParamState*>(s)) {
+      tensor("exp_avg", w->exp_avg());
+      tensor("exp_avg_sq", w->exp_avg_sq());
+      tensor("max_exp_avg_sq", w->max_exp_avg_sq());
+    } else if (const auto* g = dynamic_cast<const SGDParamState*>(s)) {
+      tensor("momentum_buffer", g->momentum_buffer());
+    } else if (const auto* r = dynamic_cast<const RMSpropParamState*>(s)) {
+      tensor("square_avg", r->square_avg());
+      tensor("momentum_buffer", r->momentum_buffer());
+      tensor("grad_avg", r->grad_avg());
+    } else if (const auto* ag = dynamic_cast<const AdagradParamState*>(s)) {
+      tensor("sum", ag->sum());
+    } else if (const auto* l = dynamic_cast<const LBFGSParamState*>(s)) {
+      tensor("d", l->d());
+      tensor("H_diag", l->H_diag());
+      tensor("prev_flat_grad", l->prev_flat_grad());
+      all("old_dirs", l->old_dirs());
+      all("old_stps", l->old_stps());
+      all("ro", l->ro());
+      if (l->al()) {
+        all("al", *l->al());
+      }
+    } else if (unknown) {
+      unknown(*s);
+    }
+  }
+}
+
+} // namespace trainmem::detail

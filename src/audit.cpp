@@ -31,6 +31,7 @@
 
 #include "detail/alloc_recorder.h"
 #include "detail/backward_listener.h"
+#include "detail/optimizer_state_walk.h"
 #include "detail/thread_id.h"
 
 // Note [Categories from lifetimes]
@@ -93,31 +94,10 @@ struct Alloc {
   bool final = false;     // category decided
 };
 
-// The state tensors of one optimizer (known LibTorch types; others: none,
-// their state is then classified by when it was made).
+// The state tensors of one optimizer (Note [One optimizer-state walk]; a
+// state of another type gives none: it is classified by when it was made).
 void state_tensors(const torch::optim::Optimizer& opt, std::vector<at::Tensor>& out) {
-  using namespace torch::optim;
-  for (const auto& [key, state] : opt.state()) {
-    if (!state) {
-      continue;
-    }
-    const auto* s = state.get();
-    if (const auto* a = dynamic_cast<const AdamParamState*>(s)) {
-      out.insert(out.end(), {a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()});
-    } else if (const auto* w = dynamic_cast<const AdamWParamState*>(s)) {
-      out.insert(out.end(), {w->exp_avg(), w->exp_avg_sq(), w->max_exp_avg_sq()});
-    } else if (const auto* g = dynamic_cast<const SGDParamState*>(s)) {
-      out.push_back(g->momentum_buffer());
-    } else if (const auto* r = dynamic_cast<const RMSpropParamState*>(s)) {
-      out.insert(out.end(), {r->square_avg(), r->momentum_buffer(), r->grad_avg()});
-    } else if (const auto* ag = dynamic_cast<const AdagradParamState*>(s)) {
-      out.push_back(ag->sum());
-    } else if (const auto* l = dynamic_cast<const LBFGSParamState*>(s)) {
-      out.insert(out.end(), {l->d(), l->H_diag(), l->prev_flat_grad()});
-      out.insert(out.end(), l->old_dirs().begin(), l->old_dirs().end());
-      out.insert(out.end(), l->old_stps().begin(), l->old_stps().end());
-    }
-  }
+  detail::for_each_state_tensor(opt, [&](const std::string&, const at::Tensor& t) { out.push_back(t); });
 }
 
 // Per-thread list of the audits whose step is open on this thread, and the

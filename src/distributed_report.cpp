@@ -13,6 +13,7 @@
 
 #include "detail/bounded_json.h"
 #include "detail/distributed_json.h"
+#include "detail/report_json.h"
 #include "detail/text.h"
 
 namespace trainmem {
@@ -51,42 +52,41 @@ double last_step_ms(const AuditReport& r) {
   return r.steps.empty() ? 0.0 : r.steps.back().time_ms;
 }
 
-Json rank_json(const RankReport& r) {
-  return Json{{"rank", r.rank},
-              {"communication_bytes", r.communication_bytes},
-              {"bucket_bytes", r.bucket_bytes},
-              {"origin_ns", r.origin_ns},
-              {"report", Json::parse(to_json(r.audit, -1))}};
-}
-
-RankReport rank_from(const Json& j) {
-  RankReport r;
-  try {
-    r.rank = j.at("rank").get<int64_t>();
-    r.communication_bytes = j.at("communication_bytes").get<int64_t>();
-    r.bucket_bytes = j.at("bucket_bytes").get<std::vector<int64_t>>();
-    r.origin_ns = j.at("origin_ns").get<int64_t>();
-    r.audit = report_from_json(j.at("report").dump());
-  } catch (const Json::exception& e) {
-    TORCH_CHECK(false, "distributed_report_from_json: a rank entry: ", e.what());
-  }
-  return r;
-}
-
 } // namespace
 
 namespace detail {
 
 std::string rank_report_to_json(const RankReport& rank) {
-  return rank_json(rank).dump();
+  return Json(rank).dump();
 }
 
 RankReport rank_report_from_json(const std::string& text) {
-  Json j = parse_bounded_json<Json>(text, kMaxRankReportDepth, "rank report");
-  return rank_from(j);
+  return parse_bounded_json<Json>(text, kMaxRankReportDepth, "rank report").get<RankReport>();
 }
 
 } // namespace detail
+
+// Note [One JSON serializer per report type] (detail/report_json.h).
+void to_json(Json& j, const RankReport& r) {
+  j = Json{{"rank", r.rank},
+           {"communication_bytes", r.communication_bytes},
+           {"bucket_bytes", r.bucket_bytes},
+           {"origin_ns", r.origin_ns},
+           {"report", r.audit}};
+}
+
+void from_json(const Json& j, RankReport& r) {
+  r = RankReport{};
+  try {
+    r.rank = j.at("rank").get<int64_t>();
+    r.communication_bytes = j.at("communication_bytes").get<int64_t>();
+    r.bucket_bytes = j.at("bucket_bytes").get<std::vector<int64_t>>();
+    r.origin_ns = j.at("origin_ns").get<int64_t>();
+    r.audit = j.at("report").get<AuditReport>();
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "distributed_report_from_json: a rank entry: ", e.what());
+  }
+}
 
 int64_t DistributedReport::worst_rank() const {
   int64_t worst = -1, peak = -1;
@@ -185,8 +185,8 @@ std::string to_text(const DistributedReport& r) {
   return out;
 }
 
-std::string to_json(const DistributedReport& r, int indent) {
-  Json j;
+void to_json(Json& j, const DistributedReport& r) {
+  j = Json::object();
   j["schema"] = r.schema;
   j["title"] = r.title;
   j["backend"] = r.backend;
@@ -204,18 +204,12 @@ std::string to_json(const DistributedReport& r, int indent) {
                   {"worst_rank", r.worst_rank()}};
   j["disagreements"] = r.disagreements;
   j["notes"] = r.notes;
-  Json ranks = Json::array();
-  for (const auto& k : r.ranks) {
-    ranks.push_back(rank_json(k));
-  }
-  j["ranks"] = ranks;
-  return j.dump(indent);
+  j["ranks"] = r.ranks;
 }
 
-DistributedReport distributed_report_from_json(const std::string& text) {
-  Json j = detail::parse_bounded_json<Json>(text, detail::kMaxRankReportDepth, "distributed_report_from_json");
+void from_json(const Json& j, DistributedReport& r) {
   TORCH_CHECK(j.is_object(), "distributed_report_from_json: expected a JSON object, but got ", j.type_name());
-  DistributedReport r;
+  r = DistributedReport{};
   TORCH_CHECK(j.contains("schema") && j["schema"].is_string() && j["schema"].get<std::string>() == r.schema,
               "distributed_report_from_json: expected schema \"", r.schema, "\", but got ",
               j.contains("schema") ? j["schema"].dump() : std::string("none"));
@@ -231,12 +225,20 @@ DistributedReport distributed_report_from_json(const std::string& text) {
     r.disagreements = j.at("disagreements").get<std::vector<std::string>>();
     r.notes = j.at("notes").get<std::vector<std::string>>();
     for (const auto& k : j.at("ranks")) {
-      r.ranks.push_back(rank_from(k));
+      r.ranks.push_back(k.get<RankReport>());
     }
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, "distributed_report_from_json: ", e.what());
   }
-  return r;
+}
+
+std::string to_json(const DistributedReport& r, int indent) {
+  return Json(r).dump(indent);
+}
+
+DistributedReport distributed_report_from_json(const std::string& text) {
+  return detail::parse_bounded_json<Json>(text, detail::kMaxRankReportDepth, "distributed_report_from_json")
+      .get<DistributedReport>();
 }
 
 std::string to_html(const DistributedReport& r) {
@@ -339,7 +341,7 @@ std::string to_chrome_trace(const DistributedReport& r) {
   Json events = Json::array();
   for (const auto& k : r.ranks) {
     const double shift_us = k.origin_ns > 0 ? static_cast<double>(k.origin_ns - origin) / 1000.0 : 0.0;
-    Json one = Json::parse(to_chrome_trace(k.audit));
+    Json one = detail::chrome_trace_json(k.audit);
     for (auto& e : one.at("traceEvents")) {
       e["pid"] = k.rank;
       if (e.value("name", "") == "process_name") {

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "detail/bounded_json.h"
+#include "detail/report_json.h"
 
 namespace trainmem {
 namespace {
@@ -245,8 +246,9 @@ std::string to_text(const AuditReport& r) {
 
 // ---- JSON -------------------------------------------------------------------
 
-std::string to_json(const AuditReport& r, int indent) {
-  Json j;
+// Note [One JSON serializer per report type] (detail/report_json.h).
+void to_json(Json& j, const AuditReport& r) {
+  j = Json::object();
   j["schema"] = r.schema;
   j["title"] = r.title;
   Json config = Json::object();
@@ -327,17 +329,15 @@ std::string to_json(const AuditReport& r, int indent) {
   }
   j["series"] = {{"time_ns", times}, {"bytes", by_cat}};
   j["notes"] = r.notes;
-  return j.dump(indent);
 }
 
-AuditReport report_from_json(const std::string& text) {
-  Json j = detail::parse_bounded_json<Json>(text, kMaxReportDepth, "report_from_json");
+void from_json(const Json& j, AuditReport& r) {
   TORCH_CHECK(j.is_object(), "report_from_json: expected a JSON object, but got ", j.type_name());
   TORCH_CHECK(j.contains("schema") && j["schema"].is_string(),
               "report_from_json: no \"schema\" key; is this a trainmem report?");
   const auto schema = j["schema"].get<std::string>();
   TORCH_CHECK(schema == "trainmem/1", "report_from_json: expected schema \"trainmem/1\", but got \"", schema, "\"");
-  AuditReport r;
+  r = AuditReport{};
   try {
     r.title = j.at("title").get<std::string>();
     for (auto it = j.at("config").begin(); it != j.at("config").end(); ++it) {
@@ -424,12 +424,21 @@ AuditReport report_from_json(const std::string& text) {
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, "report_from_json: malformed trainmem/1 report: ", e.what());
   }
-  return r;
+}
+
+std::string to_json(const AuditReport& r, int indent) {
+  return Json(r).dump(indent);
+}
+
+AuditReport report_from_json(const std::string& text) {
+  return detail::parse_bounded_json<Json>(text, kMaxReportDepth, "report_from_json").get<AuditReport>();
 }
 
 // ---- Chrome trace -----------------------------------------------------------
 
-std::string to_chrome_trace(const AuditReport& r) {
+namespace detail {
+
+Json chrome_trace_json(const AuditReport& r) {
   Json events = Json::array();
   events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"tid", 0},
                     {"args", {{"name", r.title + " (" + r.device + ")"}}}});
@@ -453,8 +462,13 @@ std::string to_chrome_trace(const AuditReport& r) {
                       {"dur", static_cast<double>(p.end_ns - p.begin_ns) / 1000.0},
                       {"args", {{"peak_bytes", p.peak_bytes}}}});
   }
-  Json j = {{"displayTimeUnit", "ms"}, {"traceEvents", events}};
-  return j.dump();
+  return Json{{"displayTimeUnit", "ms"}, {"traceEvents", events}};
+}
+
+} // namespace detail
+
+std::string to_chrome_trace(const AuditReport& r) {
+  return detail::chrome_trace_json(r).dump();
 }
 
 } // namespace trainmem

@@ -46,11 +46,13 @@
 #include "trainmem/planner.h"
 #include "trainmem/report.h"
 #include "region_planner_check.h"
+#include "support/mnist_net.h"
 
 namespace {
 
 namespace F = torch::nn::functional;
 using trainmem::Category;
+using trainmem::testing::MnistNet;
 using trainmem::Phase;
 
 // ---- the Python oracle -------------------------------------------------------
@@ -117,31 +119,6 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
 
 // ---- the PyTorch C++ examples' models ----------------------------------------
 
-// pytorch/examples cpp/mnist.
-struct MnistNet : torch::nn::Module {
-  MnistNet()
-      : conv1(torch::nn::Conv2dOptions(1, 10, 5)), conv2(torch::nn::Conv2dOptions(10, 20, 5)), fc1(320, 50),
-        fc2(50, 10) {
-    register_module("conv1", conv1);
-    register_module("conv2", conv2);
-    register_module("conv2_drop", conv2_drop);
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(F::max_pool2d(conv1->forward(x), F::MaxPool2dFuncOptions(2)));
-    x = torch::relu(F::max_pool2d(conv2_drop->forward(conv2->forward(x)), F::MaxPool2dFuncOptions(2)));
-    x = x.view({-1, 320});
-    x = torch::relu(fc1->forward(x));
-    x = F::dropout(x, F::DropoutFuncOptions().p(0.5).training(is_training()));
-    x = fc2->forward(x);
-    return torch::log_softmax(x, /*dim=*/1);
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Dropout2d conv2_drop;
-  torch::nn::Linear fc1, fc2;
-};
-
 // pytorch/examples cpp/dcgan.
 struct DCGANGeneratorImpl : torch::nn::Module {
   explicit DCGANGeneratorImpl(int64_t noise)
@@ -197,10 +174,10 @@ TEST(AuditTrainersTest, MnistExampleMatchesPythonEveryStep) {
   trainmem::CpuMemoryTracker::install();
   constexpr int kSteps = 3;
   torch::manual_seed(0);
-  MnistNet model;
-  torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.01).momentum(0.5));
+  MnistNet model;  // pytorch/examples cpp/mnist (tests/support/mnist_net.h)
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.5));
   auto& tracker = trainmem::CpuMemoryTracker::install();
-  trainmem::Audit audit(model, &opt, torch::kCPU, trainmem::AuditOptions().title("mnist"));
+  trainmem::Audit audit(*model, &opt, torch::kCPU, trainmem::AuditOptions().title("mnist"));
   std::vector<int64_t> process_peaks;
   for (int i = 0; i < kSteps; ++i) {
     auto data = torch::randn({64, 1, 28, 28});
@@ -212,7 +189,7 @@ TEST(AuditTrainersTest, MnistExampleMatchesPythonEveryStep) {
       audit.mark_input(data);
       audit.mark_input(target);
       opt.zero_grad();
-      auto loss = torch::nll_loss(model.forward(data), target);
+      auto loss = torch::nll_loss(model->forward(data), target);
       (void)loss.item<float>();
       loss.backward();
       opt.step();
@@ -225,7 +202,7 @@ TEST(AuditTrainersTest, MnistExampleMatchesPythonEveryStep) {
   for (int i = 0; i < kSteps; ++i) {
     EXPECT_EQ(r.steps[i].peak_bytes, process_peaks[i]) << "step " << i;
   }
-  const int64_t params = storage_bytes(model.parameters());
+  const int64_t params = storage_bytes(model->parameters());
   for (int i = 0; i < kSteps; ++i) {
     EXPECT_EQ(phase_labels(r, i), (std::vector<std::string>{"forward", "backward", "optimizer step (SGD)"}))
         << "step " << i;

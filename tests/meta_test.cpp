@@ -33,8 +33,12 @@
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
 #include "trainmem/models/transformer.h"
+#include "support/mnist_net.h"
 
 namespace {
+
+using trainmem::testing::MnistNet;
+using trainmem::testing::MnistNetImpl;
 
 std::vector<at::Tensor> tensors_of(torch::nn::Module& m) {
   auto out = m.parameters();
@@ -758,43 +762,15 @@ TEST(MetaKernelTest, DropoutEmbeddingAndLossesMatchCpu) {
       });
 }
 
-// The PyTorch C++ examples' MNIST convnet, as a user writes it.
-struct MnistNet : torch::nn::Module {
-  MnistNet()
-      : conv1(torch::nn::Conv2dOptions(1, 10, 5)),
-        conv2(torch::nn::Conv2dOptions(10, 20, 5)),
-        fc1(320, 50),
-        fc2(50, 10) {
-    register_module("conv1", conv1);
-    register_module("conv2", conv2);
-    register_module("conv2_drop", conv2_drop);
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-  }
-  at::Tensor forward(at::Tensor x) {
-    x = at::relu(at::max_pool2d(conv1->forward(x), 2));
-    x = at::relu(at::max_pool2d(conv2_drop->forward(conv2->forward(x)), 2));
-    x = x.view({-1, 320});
-    x = at::relu(fc1->forward(x));
-    x = torch::dropout(x, /*p=*/0.5, /*train=*/is_training());
-    x = fc2->forward(x);
-    return torch::log_softmax(x, /*dim=*/1);
-  }
-  torch::nn::Conv2d conv1;
-  torch::nn::Conv2d conv2;
-  torch::nn::Dropout2d conv2_drop;
-  torch::nn::Linear fc1;
-  torch::nn::Linear fc2;
-};
-
+// The PyTorch C++ examples' MNIST convnet (tests/support/mnist_net.h).
 TEST(MetaKernelTest, MnistConvnetSavesTheCpuBytesOnMeta) {
   const int64_t saved = expect_meta_matches_cpu(
-      "mnist convnet + nll", [] { return std::make_shared<MnistNet>(); },
+      "mnist convnet + nll", [] { return MnistNet().ptr(); },
       [](c10::Device d) {
         return std::vector<at::Tensor>{float_input(d, {16, 1, 28, 28}), index_input(d, {16}, 10)};
       },
       [](torch::nn::Module& m, const std::vector<at::Tensor>& in) {
-        auto out = dynamic_cast<MnistNet&>(m).forward(in[0]);
+        auto out = dynamic_cast<MnistNetImpl&>(m).forward(in[0]);
         return std::vector<at::Tensor>{torch::nn::functional::nll_loss(out, in[1]), out};
       });
   EXPECT_GT(saved, 16 * 10 * 24 * 24 * 4);  // at least conv1's output
@@ -1052,10 +1028,10 @@ TEST(MetaKernelTest, FindsTheOpWithNoMetaKernel) {
   EXPECT_EQ(missing->op, "aten::histc") << missing->message;
   EXPECT_NE(missing->message.find("Meta"), std::string::npos) << missing->message;
   // A conv net's whole step runs on meta: nothing is missing.
-  std::shared_ptr<MnistNet> net;
+  std::shared_ptr<MnistNetImpl> net;
   {
     trainmem::MetaInitGuard meta;
-    net = std::make_shared<MnistNet>();
+    net = MnistNet().ptr();
   }
   EXPECT_FALSE(trainmem::find_missing_meta_kernel([&] {
                  net->forward(at::empty({4, 1, 28, 28}, at::TensorOptions().device(at::kMeta)))

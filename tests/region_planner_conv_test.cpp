@@ -25,6 +25,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/planner.h"
 #include "region_planner_check.h"
+#include "support/mnist_net.h"
 
 namespace {
 
@@ -36,6 +37,7 @@ using trainmem::PlanOptions;
 using trainmem::Region;
 using trainmem::RegionModel;
 using trainmem::testing::check_model;
+using trainmem::testing::MnistNet;
 
 // Every region was profiled on meta: none fell back to the CPU. A fallback
 // names the op whose meta kernel is missing.
@@ -47,22 +49,9 @@ void expect_all_on_meta(const RegionModel& m, const std::string& name) {
   }
 }
 
-// pytorch/examples cpp/mnist's Net, cut into four regions.
-struct MnistNetImpl : nn::Module {
-  MnistNetImpl()
-      : conv1(register_module("conv1", nn::Conv2d(nn::Conv2dOptions(1, 10, 5)))),
-        conv2(register_module("conv2", nn::Conv2d(nn::Conv2dOptions(10, 20, 5)))),
-        conv2_drop(register_module("conv2_drop", nn::Dropout2d())),
-        fc1(register_module("fc1", nn::Linear(320, 50))),
-        fc2(register_module("fc2", nn::Linear(50, 10))) {}
-  nn::Conv2d conv1;
-  nn::Conv2d conv2;
-  nn::Dropout2d conv2_drop;
-  nn::Linear fc1;
-  nn::Linear fc2;
-};
-TORCH_MODULE(MnistNet);
 
+// pytorch/examples cpp/mnist's Net (tests/support/mnist_net.h), cut into four
+// regions.
 TEST(RegionPlannerConvTest, MnistConvnet) {
   at::manual_seed(1);
   MnistNet net;

@@ -39,6 +39,7 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 
+#include "app/audited_step.h"
 #include "detail/checkpoint_state.h"
 #include "detail/text.h"
 
@@ -236,37 +237,28 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   autocast.entries.push_back({device.type(), true, at::kBFloat16});
   std::vector<at::Tensor> grads;
   std::vector<double> losses;
-  for (int64_t step = 0; step < t.steps(); ++step) {
-    ddp.prepare_for_forward();  // may rebuild the buckets: outside the audited step
-    double loss_value = 0;
-    {
-      auto guard = audit.step();
-      a.mark_input(shard);
-      ddp.zero_grad();
-      at::Tensor loss;
-      {
-        std::optional<detail::AutocastGuard> amp;
-        if (t.precision() == Precision::kBf16Autocast) {
-          amp.emplace(autocast);
-        }
-        loss = model->forward(shard, plan).to(at::kFloat).pow(2).mean();
+  int64_t step = 0;
+  detail::AuditedStep parts;  // Note [One audited step]
+  parts.inputs = {shard};
+  parts.autocast = t.precision() == Precision::kBf16Autocast ? &autocast : nullptr;
+  parts.zero_grad = [&] { ddp.zero_grad(); };
+  parts.loss = [&](const at::Tensor& x) { return model->forward(x, plan).to(at::kFloat).pow(2).mean(); };
+  parts.before_backward = [&] {
+    ddp.prepare_for_backward();
+    if (rank == o.fail_rank() && step == o.fail_step()) {
+      if (o.fail_mode() == "kill") {
+        ::raise(SIGKILL);
       }
-      if (t.precision() == Precision::kBf16Autocast) {
-        at::autocast::clear_cache();
+      if (o.fail_mode() == "throw") {
+        TORCH_CHECK(false, "injected failure in step ", step, " (fail_mode \"throw\")");
       }
-      ddp.prepare_for_backward();
-      if (rank == o.fail_rank() && step == o.fail_step()) {
-        if (o.fail_mode() == "kill") {
-          ::raise(SIGKILL);
-        }
-        if (o.fail_mode() == "throw") {
-          TORCH_CHECK(false, "injected failure in step ", step, " (fail_mode \"throw\")");
-        }
-      }
-      loss.backward();  // each bucket is all-reduced as its gradients arrive
-      loss_value = loss.item<double>();
-      optimizer->step();
     }
+  };
+  // loss.backward(): each bucket is all-reduced as its gradients arrive.
+  parts.optimizer_step = [&] { optimizer->step(); };
+  for (; step < t.steps(); ++step) {
+    ddp.prepare_for_forward();  // may rebuild the buckets: outside the audited step
+    const double loss_value = detail::run_audited_step(audit, a, parts);
     if (step == 0 && rank == 0 && t.keep_grads()) {
       for (const auto& p : model->parameters()) {
         grads.push_back(p.grad().defined() ? p.grad().detach().to(c10::kCPU, at::kFloat).clone() : at::Tensor());

@@ -21,6 +21,7 @@
 #include "trainmem/optimizer_in_backward.h"
 #include "trainmem/selective.h"
 
+#include "app/audited_step.h"
 #include "detail/checkpoint_state.h"
 #include "detail/text.h"
 
@@ -28,6 +29,8 @@ namespace trainmem {
 namespace {
 
 using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
+using detail::AuditedStep;
+using detail::run_audited_step;
 
 } // namespace
 
@@ -165,43 +168,28 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
     audit.set_config("tf32", o.tf32() ? "on" : "off");
   }
 
+  AuditedStep parts;  // Note [One audited step]
+  parts.inputs = std::move(micro);
+  parts.autocast = amp_on ? &autocast : nullptr;
+  parts.loss = [&](const at::Tensor& xb) {
+    std::optional<SaveOnCpuGuard> offload;
+    if (o.offload()) {
+      offload.emplace(*model);
+    }
+    // Mean over the whole batch = sum of micro-batch means / k.
+    return model->forward(xb, plan).to(at::kFloat).pow(2).mean() / static_cast<double>(k);
+  };
+  parts.backward = [&](const at::Tensor& loss) { scaler.scale(loss).backward(); };
+  if (optimizer) {
+    parts.zero_grad = [&] { optimizer->zero_grad(); };
+    parts.optimizer_step = [&] {
+      scaler.step(*optimizer);  // a plain step unless fp16-autocast
+      scaler.update();
+    };
+  }
   TrainingRun run;
   for (int64_t step = 0; step < o.steps(); ++step) {
-    double loss_sum = 0;
-    {
-      auto guard = audit.step();
-      for (const auto& m : micro) {
-        audit.mark_input(m);
-      }
-      if (optimizer) {
-        optimizer->zero_grad();
-      }
-      for (int64_t i = 0; i < k; ++i) {
-        const auto& xb = micro[static_cast<size_t>(i)];
-        at::Tensor loss;
-        {
-          std::optional<detail::AutocastGuard> amp;
-          if (amp_on) {
-            amp.emplace(autocast);
-          }
-          std::optional<SaveOnCpuGuard> offload;
-          if (o.offload()) {
-            offload.emplace(*model);
-          }
-          // Mean over the whole batch = sum of micro-batch means / k.
-          loss = model->forward(xb, plan).to(at::kFloat).pow(2).mean() / static_cast<double>(k);
-        }
-        if (amp_on) {
-          at::autocast::clear_cache();
-        }
-        scaler.scale(loss).backward();
-        loss_sum += loss.item<double>();
-      }
-      if (optimizer) {
-        scaler.step(*optimizer);  // a plain step unless fp16-autocast
-        scaler.update();
-      }
-    }
+    const double loss_sum = run_audited_step(audit, audit, parts);
     if (step == 0 && optimizer && o.keep_grads()) {
       // After the step: the copies are not part of the audited bytes.
       for (const auto& p : model->parameters()) {

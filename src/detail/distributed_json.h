@@ -5,7 +5,20 @@
 
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "trainmem/distributed.h"
+
+namespace trainmem {
+
+// Note [One JSON serializer per report type] (detail/report_json.h): found by
+// ADL; a rank's AuditReport is a JSON value inside, never a string.
+void to_json(nlohmann::ordered_json& j, const RankReport& rank);
+void from_json(const nlohmann::ordered_json& j, RankReport& rank);
+void to_json(nlohmann::ordered_json& j, const DistributedReport& report);
+void from_json(const nlohmann::ordered_json& j, DistributedReport& report);
+
+} // namespace trainmem
 
 namespace trainmem::detail {
 
