@@ -195,16 +195,7 @@ nlohmann::ordered_json plan_model_json(const std::string& path, const HfConfig& 
   j["kind"] = "plan_model";
   j["model"] = {{"file", path}, {"architecture", to_string(config.architecture)}, {"num_layers", config.num_layers}};
   j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
-  j["plan"] = {{"name", plan.name},
-               {"feasible", plan.feasible},
-               {"budget_bytes", plan.budget_bytes},
-               {"predicted_peak_bytes", plan.predicted_peak_bytes},
-               {"activation_bytes", plan.activation_bytes},
-               {"min_peak_bytes", plan.min_peak_bytes},
-               {"recompute_cost", plan.recompute_cost},
-               {"forward_cost", plan.forward_cost},
-               {"num_profiles", plan.num_profiles},
-               {"bucket_bytes", plan.bucket_bytes}};
+  j["plan"] = plan_json(plan);
   return j;
 }
 
@@ -245,6 +236,47 @@ std::string cuda_plan_text(const CudaCheckpointPlan& r) {
   return to_string(r.plan) + "\n" + to_string(r.cuda) +
          fmt::format("planner budget after {} round(s): {} B (CUDA adds workspaces, rounding, copies, slack)\n",
                      r.num_rounds, with_commas(r.planner_budget_bytes));
+}
+
+nlohmann::ordered_json plan_json(const CheckpointPlan& p) {
+  nlohmann::ordered_json blocks = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    const auto& b = p.blocks[i];
+    blocks.push_back({{"region", i < p.region_names.size() ? p.region_names[i] : std::string("block")},
+                      {"mode", to_string(b.mode)},
+                      {"saved_ops", b.saved_ops},
+                      {"region_blocks", b.region_blocks},
+                      {"stored_bytes", b.stored_bytes},
+                      {"backward_transient_bytes", b.backward_transient_bytes},
+                      {"forward_peak_bytes", b.forward_peak_bytes},
+                      {"recompute_cost", b.recompute_cost}});
+  }
+  nlohmann::ordered_json fallbacks = nlohmann::ordered_json::array();
+  for (const auto& f : p.cpu_fallbacks) {
+    fallbacks.push_back({{"region", f.region}, {"op", f.op}, {"reason", f.reason}});
+  }
+  nlohmann::ordered_json unavailable = nlohmann::ordered_json::array();
+  for (const auto& u : p.unavailable) {
+    unavailable.push_back({{"region", u.region}, {"blocks", u.blocks}, {"mode", to_string(u.mode)}, {"reason", u.reason}});
+  }
+  return {{"name", p.name},
+          {"feasible", p.feasible},
+          {"budget_bytes", p.budget_bytes},
+          {"blocks", blocks},
+          {"predicted_peak_bytes", p.predicted_peak_bytes},
+          {"peak_phase", to_string(p.peak_phase)},
+          {"static_bytes", p.static_bytes},
+          {"grad_bytes", p.grad_bytes},
+          {"activation_bytes", p.activation_bytes},
+          {"recompute_cost", p.recompute_cost},
+          {"forward_cost", p.forward_cost},
+          {"min_peak_bytes", p.min_peak_bytes},
+          {"min_peak_recompute_cost", p.min_peak_cost},
+          {"bucket_bytes", p.bucket_bytes},
+          {"num_candidates", p.num_candidates},
+          {"num_profiles", p.num_profiles},
+          {"cpu_fallbacks", fallbacks},
+          {"unavailable", unavailable}};
 }
 
 nlohmann::ordered_json cuda_plan_json(const CudaCheckpointPlan& r) {

@@ -49,6 +49,9 @@ void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int6
 /// naming the last plan's peaks when none fits.
 std::string cuda_plan_text(const CudaCheckpointPlan& r);
 nlohmann::ordered_json cuda_plan_json(const CudaCheckpointPlan& r);
+// A plan as the `plan` documents hold it (docs/cli.md): the one writer of
+// `trainmem plan --json` and `trainmem plan --model FILE --json`.
+nlohmann::ordered_json plan_json(const CheckpointPlan& plan);
 void check_cuda_plan_fits(const CudaCheckpointPlan& r);
 
 } // namespace trainmem::cli

@@ -40,33 +40,6 @@ struct PlanFlags {
   bool run_model = false;                 // --run: with --model, run the plan on CPU
 };
 
-nlohmann::json plan_json(const CheckpointPlan& p) {
-  nlohmann::json blocks = nlohmann::json::array();
-  for (const auto& b : p.blocks) {
-    blocks.push_back({{"mode", to_string(b.mode)},
-                      {"saved_ops", b.saved_ops},
-                      {"region_blocks", b.region_blocks},
-                      {"stored_bytes", b.stored_bytes},
-                      {"backward_transient_bytes", b.backward_transient_bytes},
-                      {"forward_peak_bytes", b.forward_peak_bytes},
-                      {"recompute_cost", b.recompute_cost}});
-  }
-  return {{"name", p.name},
-          {"feasible", p.feasible},
-          {"budget_bytes", p.budget_bytes},
-          {"blocks", blocks},
-          {"predicted_peak_bytes", p.predicted_peak_bytes},
-          {"peak_phase", to_string(p.peak_phase)},
-          {"static_bytes", p.static_bytes},
-          {"grad_bytes", p.grad_bytes},
-          {"activation_bytes", p.activation_bytes},
-          {"recompute_cost", p.recompute_cost},
-          {"forward_cost", p.forward_cost},
-          {"min_peak_bytes", p.min_peak_bytes},
-          {"min_peak_recompute_cost", p.min_peak_cost},
-          {"bucket_bytes", p.bucket_bytes}};
-}
-
 struct Measured {
   StepPeak meta;      // the whole step simulated on meta
   StepPeak cpu;       // the step run on CPU
@@ -122,7 +95,7 @@ void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions
   const auto kind = cuda_budget_kind(f);
   const auto r = plan_checkpointing_cuda(o, options, kind);
   if (f.json) {
-    nlohmann::json doc = {
+    nlohmann::ordered_json doc = {
         {"schema", "trainmem/1"},
         {"command", "plan"},
         {"device", f.device},
@@ -201,7 +174,7 @@ void run(const PlanFlags& f) {
     measured = run_plan(o, plan);
   }
   if (f.json) {
-    nlohmann::json doc = {
+    nlohmann::ordered_json doc = {
         {"schema", "trainmem/1"},
         {"command", "plan"},
         {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()}, {"num_heads", o.num_heads()},
