@@ -112,6 +112,66 @@ bool parse_bool(const std::string& key, const std::string& value) {
   return false;
 }
 
+// roundup_power2_divisions: one number for every interval, or
+// AcceleratorAllocatorConfig::parseRoundUpPower2Divisions's list form.
+std::vector<int64_t> parse_roundup_power2_divisions(const std::string& key, const std::string& value) {
+  std::vector<int64_t> d(kRoundUpPowerOfTwoIntervals, 0);
+  auto check_pow2 = [&](int64_t v) {
+    TORCH_CHECK(v == 0 || std::has_single_bit(static_cast<uint64_t>(v)),
+                "CudaAllocatorConfig: expected a power of 2 in roundup_power2_divisions, but got ", v);
+    return v;
+  };
+  if (!value.empty() && value.front() == '[') {
+    std::string body = value.substr(1, value.size() - 2);
+    size_t last_index = 0;
+    bool first = true;
+    size_t j = 0;
+    while (j < body.size()) {
+      size_t comma = body.find(',', j);
+      std::string item = body.substr(j, comma == std::string::npos ? std::string::npos : comma - j);
+      j = comma == std::string::npos ? body.size() : comma + 1;
+      const size_t c2 = item.find(':');
+      TORCH_CHECK(c2 != std::string::npos, "CudaAllocatorConfig: expected size:divisions in ",
+                  "roundup_power2_divisions, but got '", item, "'");
+      const std::string k = item.substr(0, c2);
+      const int64_t v = check_pow2(parse_int(key, item.substr(c2 + 1)));
+      if (k == ">") {
+        std::fill(d.begin() + static_cast<int64_t>(last_index) + 1, d.end(), v);
+      } else {
+        const int64_t mb = check_pow2(parse_int(key, k));
+        TORCH_CHECK(mb > 0, "CudaAllocatorConfig: expected a size in MiB > 0 in roundup_power2_divisions");
+        size_t index = static_cast<size_t>(std::bit_width(static_cast<uint64_t>(mb)) - 1);
+        index = std::min(index, static_cast<size_t>(kRoundUpPowerOfTwoIntervals - 1));
+        if (first) {
+          std::fill(d.begin(), d.begin() + static_cast<int64_t>(index), v);
+          first = false;
+        }
+        d[index] = v;
+        last_index = index;
+      }
+    }
+  } else {
+    std::fill(d.begin(), d.end(), check_pow2(parse_int(key, value)));
+  }
+  return d;
+}
+
+// AcceleratorAllocatorConfig::parseGarbageCollectionThreshold: 0 < v < 1.
+double parse_gc_threshold(const std::string& value) {
+  double v = 0;
+  try {
+    size_t used = 0;
+    v = std::stod(value, &used);
+    TORCH_CHECK(used == value.size(), "");
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "CudaAllocatorConfig: expected a number for garbage_collection_threshold, but got '",
+                value, "'");
+  }
+  TORCH_CHECK(v > 0.0 && v < 1.0,
+              "CudaAllocatorConfig: expected garbage_collection_threshold in (0.0, 1.0), but got ", value);
+  return v;
+}
+
 } // namespace
 
 CudaAllocatorConfig CudaAllocatorConfig::parse(const std::string& conf) {
@@ -167,60 +227,9 @@ CudaAllocatorConfig CudaAllocatorConfig::parse(const std::string& conf) {
     } else if (key == "expandable_segments") {
       c.expandable_segments(parse_bool(key, value));
     } else if (key == "roundup_power2_divisions") {
-      std::vector<int64_t> d(kRoundUpPowerOfTwoIntervals, 0);
-      auto check_pow2 = [&](int64_t v) {
-        TORCH_CHECK(v == 0 || std::has_single_bit(static_cast<uint64_t>(v)),
-                    "CudaAllocatorConfig: expected a power of 2 in roundup_power2_divisions, but got ", v);
-        return v;
-      };
-      if (!value.empty() && value.front() == '[') {
-        // AcceleratorAllocatorConfig::parseRoundUpPower2Divisions, list form.
-        std::string body = value.substr(1, value.size() - 2);
-        size_t last_index = 0;
-        bool first = true;
-        size_t j = 0;
-        while (j < body.size()) {
-          size_t comma = body.find(',', j);
-          std::string item = body.substr(j, comma == std::string::npos ? std::string::npos : comma - j);
-          j = comma == std::string::npos ? body.size() : comma + 1;
-          const size_t c2 = item.find(':');
-          TORCH_CHECK(c2 != std::string::npos, "CudaAllocatorConfig: expected size:divisions in ",
-                      "roundup_power2_divisions, but got '", item, "'");
-          const std::string k = item.substr(0, c2);
-          const int64_t v = check_pow2(parse_int(key, item.substr(c2 + 1)));
-          if (k == ">") {
-            std::fill(d.begin() + static_cast<int64_t>(last_index) + 1, d.end(), v);
-          } else {
-            const int64_t mb = check_pow2(parse_int(key, k));
-            TORCH_CHECK(mb > 0, "CudaAllocatorConfig: expected a size in MiB > 0 in roundup_power2_divisions");
-            size_t index = static_cast<size_t>(std::bit_width(static_cast<uint64_t>(mb)) - 1);
-            index = std::min(index, static_cast<size_t>(kRoundUpPowerOfTwoIntervals - 1));
-            if (first) {
-              std::fill(d.begin(), d.begin() + static_cast<int64_t>(index), v);
-              first = false;
-            }
-            d[index] = v;
-            last_index = index;
-          }
-        }
-      } else {
-        std::fill(d.begin(), d.end(), check_pow2(parse_int(key, value)));
-      }
-      c.roundup_power2_divisions(d);
+      c.roundup_power2_divisions(parse_roundup_power2_divisions(key, value));
     } else if (key == "garbage_collection_threshold") {
-      double v = 0;
-      try {
-        size_t used = 0;
-        v = std::stod(value, &used);
-        TORCH_CHECK(used == value.size(), "");
-      } catch (const std::exception&) {
-        TORCH_CHECK(false, "CudaAllocatorConfig: expected a number for garbage_collection_threshold, but got '",
-                    value, "'");
-      }
-      // AcceleratorAllocatorConfig::parseGarbageCollectionThreshold: 0 < v < 1.
-      TORCH_CHECK(v > 0.0 && v < 1.0,
-                  "CudaAllocatorConfig: expected garbage_collection_threshold in (0.0, 1.0), but got ", value);
-      c.garbage_collection_threshold(v);
+      c.garbage_collection_threshold(parse_gc_threshold(value));
     } else if (key == "release_lock_on_cudamalloc" ||
                key == "pinned_use_cuda_host_register" || key == "pinned_num_register_threads" ||
                key == "pinned_use_background_threads" || key == "pinned_max_round_threshold" ||

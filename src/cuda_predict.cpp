@@ -362,13 +362,8 @@ struct StepMarks {
   size_t end = 0;            // one past the step's last event
 };
 
-} // namespace
-
-CudaStepPrediction predict_cuda_step_peak(
-    torch::nn::Module& module,
-    const std::function<at::Tensor()>& loss_fn,
-    torch::optim::Optimizer* optimizer,
-    const CudaPredictOptions& options) {
+void check_arguments(const torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
+                     const CudaPredictOptions& options) {
   TORCH_CHECK(static_cast<bool>(loss_fn), "predict_cuda_step_peak: the loss function is empty");
   for (const auto& p : module.named_parameters(/*recurse=*/true)) {
     TORCH_CHECK(p.value().is_meta(), "predict_cuda_step_peak: parameter '", p.key(), "' is on ",
@@ -381,24 +376,25 @@ CudaStepPrediction predict_cuda_step_peak(
   TORCH_CHECK(options.cublas_workspace_bytes() >= 0 && options.cublaslt_workspace_bytes() >= 0,
               "predict_cuda_step_peak: workspace sizes must be >= 0, but got ", options.cublas_workspace_bytes(),
               " and ", options.cublaslt_workspace_bytes());
-  enable_cpu_meta_kernels();
-  detail::register_intercept_fallback();
-  std::lock_guard<std::mutex> lock(cuda_prediction_mutex());
-  detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
-  detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
+}
 
-  // Reset gradients first, so the trace owns every gradient the steps make.
-  for (auto& p : module.parameters()) {
-    p.mutable_grad().reset();
-  }
-  if (optimizer != nullptr) {
-    optimizer->zero_grad();
-  }
-
+// The traced step(s): every allocation and free on meta, in order, the
+// marks of the step that counts (the last), and the trace ids of the
+// gradients alive after it.
+struct StepTrace {
   std::vector<TraceEvent> events;
-  CudaKernelModel kernels(options, options.workspaces());
   std::vector<StepMarks> marks;
+  std::unordered_set<uint64_t> grad_ids;
   at::Tensor forward_output;  // forward_only: alive past the trace's end
+};
+
+// One step (or, with an optimizer and not first_step, a warm-up step and
+// then the step) under the trace, the kernels' workspaces and temporaries
+// added by `kernels`.
+void trace_steps(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
+                 torch::optim::Optimizer* optimizer, const CudaPredictOptions& options,
+                 CudaKernelModel& kernels, StepTrace& t) {
+  auto& events = t.events;
   auto& trace = TraceAllocator::get();
   trace.start(&events);
   try {
@@ -414,9 +410,9 @@ CudaStepPrediction predict_cuda_step_peak(
       if (options.forward_only()) {
         TORCH_CHECK(loss.defined() && loss.is_meta(),
                     "predict_cuda_step_peak: loss_fn must return a meta tensor");
-        forward_output = std::move(loss);
+        t.forward_output = std::move(loss);
         m.backward = m.optimizer = m.end = events.size();
-        marks.push_back(m);
+        t.marks.push_back(m);
         break;
       }
       TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.is_meta(),
@@ -432,24 +428,24 @@ CudaStepPrediction predict_cuda_step_peak(
         optimizer->step();
       }
       m.end = events.size();
-      marks.push_back(m);
+      t.marks.push_back(m);
     }
   } catch (...) {
     trace.stop();
     throw;
   }
   // Gradients alive after the step: which trace ids they are.
-  std::unordered_set<uint64_t> grad_ids;
   for (const auto& p : module.parameters()) {
     if (const uint64_t id = TraceAllocator::id_of(p.grad())) {
-      grad_ids.insert(id);
+      t.grad_ids.insert(id);
     }
   }
   trace.stop();
+}
 
-  // The device before the step: resident tensors, then the module's storages,
-  // then the workspaces that already exist.
-  CudaCachingAllocatorModel model(options.allocator());
+// The device before the step: resident tensors, then the module's storages,
+// then the workspaces that already exist.
+std::vector<TraceEvent> device_before(const torch::nn::Module& module, const CudaPredictOptions& options) {
   std::vector<TraceEvent> before;
   uint64_t synthetic = 1ULL << 62;
   for (const auto& t : options.resident()) {
@@ -471,16 +467,23 @@ CudaStepPrediction predict_cuda_step_peak(
       before.push_back({options.cublaslt_workspace_bytes(), synthetic++, Kind::kWorkspace});
     }
   }
+  return before;
+}
 
-  // Replay, tracking what each live block is.
+// The trace replayed on the caching allocator's model, tracking what each
+// live block is.
+class Replay {
+ public:
   struct Live {
     uint64_t address;
     int64_t requested;
     int64_t block;
     Kind kind;
   };
-  std::unordered_map<uint64_t, Live> live;
-  auto apply = [&](const TraceEvent& e) {
+
+  explicit Replay(const CudaAllocatorConfig& config) : model(config) {}
+
+  void apply(const TraceEvent& e) {
     if (e.bytes > 0) {
       const uint64_t a = model.malloc(e.bytes);
       if (a != 0) {
@@ -493,81 +496,70 @@ CudaStepPrediction predict_cuda_step_peak(
         live.erase(it);
       }
     }
-  };
-  for (const auto& e : before) {
-    apply(e);
   }
-  const StepMarks& m = marks.back();
-  for (size_t i = 0; i < m.begin; ++i) {  // the warm-up step
-    apply(events[i]);
-  }
-  model.reset_peak();
-  CudaStepPrediction r;
-  r.start_allocated_bytes = model.stats().allocated_bytes;
-  int64_t peak = model.stats().allocated_bytes;
-  size_t peak_index = m.begin;
-  std::unordered_map<uint64_t, Live> live_at_peak = live;
-  // The snapshot's series: requested sizes, and each rounded as the allocator
-  // rounds it (512 B by default), as snapshot.h's recorded figure is.
-  int64_t requested = 0;
-  int64_t rounded = 0;
-  for (const auto& [id, l] : live) {
-    requested += l.requested;
-    rounded += l.block;
-  }
-  r.max_requested_bytes = requested;
-  r.max_rounded_requested_bytes = rounded;
-  for (size_t i = m.begin; i < m.end; ++i) {
-    const auto& e = events[i];
-    if (e.bytes < 0) {
-      auto it = live.find(e.id);
-      if (it != live.end()) {
-        requested -= it->second.requested;
-        rounded -= it->second.block;
-      }
-    }
-    apply(e);
-    if (e.bytes > 0) {
-      if (auto it = live.find(e.id); it != live.end()) {
-        requested += e.bytes;
-        rounded += it->second.block;
-      }
-    }
-    r.max_requested_bytes = std::max(r.max_requested_bytes, requested);
-    r.max_rounded_requested_bytes = std::max(r.max_rounded_requested_bytes, rounded);
-    if (model.stats().allocated_bytes > peak) {
-      peak = model.stats().allocated_bytes;
-      peak_index = i;
-      live_at_peak = live;
-    }
-  }
-  forward_output = at::Tensor();
-  const auto s = model.stats();
-  r.max_memory_allocated_bytes = s.peak_allocated_bytes;
-  r.max_memory_reserved_bytes = s.peak_reserved_bytes;
-  r.peak_inactive_split_bytes = s.peak_inactive_split_bytes;
-  r.fragmentation = s.peak_reserved_bytes > 0
-      ? 1.0 - static_cast<double>(s.peak_allocated_bytes) / static_cast<double>(s.peak_reserved_bytes)
-      : 0.0;
-  r.phase = peak_index < m.backward ? Phase::kForward
-      : peak_index < m.optimizer    ? Phase::kBackward
-                                    : Phase::kOptimizerStep;
-  if (peak_index == m.begin && peak == r.start_allocated_bytes) {
-    r.phase = Phase::kForward;
-  }
-  r.num_events = static_cast<int64_t>(m.end - m.begin);
-  r.workspaces = kernels.workspaces();
-  r.segments = model.segments();
 
-  // Terms at the peak. Optimizer state: blocks of the warm-up step still live
-  // at the end (with an optimizer; else none).
+  // The step's events [m.begin, m.end): the peak, where it was and what was
+  // live there, and the snapshot's series: requested sizes, and each
+  // rounded as the allocator rounds it (512 B by default), as snapshot.h's
+  // recorded figure is.
+  void step(const std::vector<TraceEvent>& events, const StepMarks& m, CudaStepPrediction& r) {
+    model.reset_peak();
+    r.start_allocated_bytes = model.stats().allocated_bytes;
+    peak = model.stats().allocated_bytes;
+    peak_index = m.begin;
+    live_at_peak = live;
+    int64_t requested = 0;
+    int64_t rounded = 0;
+    for (const auto& [id, l] : live) {
+      requested += l.requested;
+      rounded += l.block;
+    }
+    r.max_requested_bytes = requested;
+    r.max_rounded_requested_bytes = rounded;
+    for (size_t i = m.begin; i < m.end; ++i) {
+      const auto& e = events[i];
+      if (e.bytes < 0) {
+        auto it = live.find(e.id);
+        if (it != live.end()) {
+          requested -= it->second.requested;
+          rounded -= it->second.block;
+        }
+      }
+      apply(e);
+      if (e.bytes > 0) {
+        if (auto it = live.find(e.id); it != live.end()) {
+          requested += e.bytes;
+          rounded += it->second.block;
+        }
+      }
+      r.max_requested_bytes = std::max(r.max_requested_bytes, requested);
+      r.max_rounded_requested_bytes = std::max(r.max_rounded_requested_bytes, rounded);
+      if (model.stats().allocated_bytes > peak) {
+        peak = model.stats().allocated_bytes;
+        peak_index = i;
+        live_at_peak = live;
+      }
+    }
+  }
+
+  CudaCachingAllocatorModel model;
+  std::unordered_map<uint64_t, Live> live;
+  int64_t peak = 0;
+  size_t peak_index = 0;
+  std::unordered_map<uint64_t, Live> live_at_peak;
+};
+
+// Terms at the peak. Optimizer state: blocks of the warm-up step still live
+// at the end (with an optimizer; else none).
+void terms_at_peak(const StepTrace& trace, const Replay& replay, CudaStepPrediction& r) {
+  const StepMarks& m = trace.marks.back();
   std::unordered_set<uint64_t> warm;
   for (size_t i = 0; i < m.begin; ++i) {
-    if (events[i].bytes > 0) {
-      warm.insert(events[i].id);
+    if (trace.events[i].bytes > 0) {
+      warm.insert(trace.events[i].id);
     }
   }
-  for (const auto& [id, l] : live_at_peak) {
+  for (const auto& [id, l] : replay.live_at_peak) {
     auto& t = r.terms;
     t.rounding_bytes += l.block - l.requested;
     switch (l.kind) {
@@ -576,7 +568,7 @@ CudaStepPrediction predict_cuda_step_peak(
       case Kind::kWorkspace: t.workspace_bytes += l.requested; break;
       case Kind::kKernelTemporary: t.kernel_temporary_bytes += l.requested; break;
       case Kind::kTensor:
-        if (grad_ids.count(id) != 0) {
+        if (trace.grad_ids.count(id) != 0) {
           t.grad_bytes += l.requested;
         } else if (warm.count(id) != 0) {
           t.optimizer_state_bytes += l.requested;
@@ -586,6 +578,61 @@ CudaStepPrediction predict_cuda_step_peak(
         break;
     }
   }
+}
+
+} // namespace
+
+CudaStepPrediction predict_cuda_step_peak(
+    torch::nn::Module& module,
+    const std::function<at::Tensor()>& loss_fn,
+    torch::optim::Optimizer* optimizer,
+    const CudaPredictOptions& options) {
+  check_arguments(module, loss_fn, options);
+  enable_cpu_meta_kernels();
+  detail::register_intercept_fallback();
+  std::lock_guard<std::mutex> lock(cuda_prediction_mutex());
+  detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
+  detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
+
+  // Reset gradients first, so the trace owns every gradient the steps make.
+  for (auto& p : module.parameters()) {
+    p.mutable_grad().reset();
+  }
+  if (optimizer != nullptr) {
+    optimizer->zero_grad();
+  }
+  CudaKernelModel kernels(options, options.workspaces());
+  StepTrace trace;
+  trace_steps(module, loss_fn, optimizer, options, kernels, trace);
+
+  Replay replay(options.allocator());
+  for (const auto& e : device_before(module, options)) {
+    replay.apply(e);
+  }
+  const StepMarks& m = trace.marks.back();
+  for (size_t i = 0; i < m.begin; ++i) {  // the warm-up step
+    replay.apply(trace.events[i]);
+  }
+  CudaStepPrediction r;
+  replay.step(trace.events, m, r);
+  trace.forward_output = at::Tensor();
+  const auto s = replay.model.stats();
+  r.max_memory_allocated_bytes = s.peak_allocated_bytes;
+  r.max_memory_reserved_bytes = s.peak_reserved_bytes;
+  r.peak_inactive_split_bytes = s.peak_inactive_split_bytes;
+  r.fragmentation = s.peak_reserved_bytes > 0
+      ? 1.0 - static_cast<double>(s.peak_allocated_bytes) / static_cast<double>(s.peak_reserved_bytes)
+      : 0.0;
+  r.phase = replay.peak_index < m.backward ? Phase::kForward
+      : replay.peak_index < m.optimizer    ? Phase::kBackward
+                                           : Phase::kOptimizerStep;
+  if (replay.peak_index == m.begin && replay.peak == r.start_allocated_bytes) {
+    r.phase = Phase::kForward;
+  }
+  r.num_events = static_cast<int64_t>(m.end - m.begin);
+  r.workspaces = kernels.workspaces();
+  r.segments = replay.model.segments();
+  terms_at_peak(trace, replay, r);
   return r;
 }
 

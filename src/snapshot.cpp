@@ -839,12 +839,25 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
 
 } // namespace
 
-SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& config) {
-  SnapshotReplay r;
-  r.num_events = static_cast<int64_t>(snap.traces.size());
-  const auto before = preexisting(snap);
-  r.num_preexisting_blocks = static_cast<int64_t>(before.size());
+namespace {
 
+// The recorded figures' walk over the trace (SnapshotReplay::recorded), and
+// what the comparison with the model needs: the recorded device calls
+// (event, +1 segment_alloc/map, -1 free/unmap), the reserved bytes after
+// every event, the live set before the trace and the requested peak's event.
+struct RecordedWalk {
+  std::vector<std::pair<int64_t, int64_t>> rec_calls;
+  std::vector<int64_t> rec_reserved_after;
+  std::unordered_map<uint64_t, std::pair<int64_t, int64_t>> live_before;  // addr -> (requested, alloc event)
+  int64_t peak_requested_event = -1;  // the last event of the requested peak's first reach (-1: before the trace)
+};
+
+RecordedWalk walk_recorded(const Snapshot& snap, const std::vector<Request>& before,
+                           const CudaAllocatorConfig& config, SnapshotReplay& r) {
+  RecordedWalk w;
+  auto& rec_calls = w.rec_calls;
+  auto& rec_reserved_after = w.rec_reserved_after;
+  int64_t& peak_requested_event = w.peak_requested_event;
   // Recorded series: reserved from the segment events, walked back from the
   // final segments; requested and allocated (rounded as the model rounds)
   // from the allocs and completed frees.
@@ -868,10 +881,8 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
   rec.peak_requested_bytes = requested;
   rec.peak_allocated_bytes = allocated;
   rec.allocated_at_peak_reserved_bytes = allocated;
-  std::vector<std::pair<int64_t, int64_t>> rec_calls;
-  std::vector<int64_t> rec_reserved_after(snap.traces.size(), 0);
-  const auto live_before = live;
-  int64_t peak_requested_event = -1;  // the last event of the requested peak's first reach (-1: before the trace)
+  rec_reserved_after.assign(snap.traces.size(), 0);
+  w.live_before = live;
   for (size_t i = 0; i < snap.traces.size(); ++i) {
     const auto& e = snap.traces[i];
     const auto idx = static_cast<int64_t>(i);
@@ -904,6 +915,13 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
       peak_requested_event = idx;
     }
   }
+  return w;
+}
+
+// The live set at the requested peak, by frame and its largest ten.
+void attribute_peak(const Snapshot& snap, const RecordedWalk& w, SnapshotReplay& r) {
+  const auto& live_before = w.live_before;
+  const int64_t peak_requested_event = w.peak_requested_event;
   // What was live at the requested peak: a second pass up to it (copying
   // the live set at each new peak cost time quadratic in a growing trace).
   auto live_at_peak = live_before;
@@ -938,16 +956,11 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
     if (la.event >= 0) la.frames = snap.frames(snap.traces[static_cast<size_t>(la.event)]);
     r.top_live_at_peak.push_back(std::move(la));
   }
+}
 
-  auto run = run_model(snap, before, config, /*seeded=*/true);
-  r.model = run.fig;
-  r.model_free_at_peak_bytes = run.free_at_peak_bytes;
-  r.stranded_at_peak = run.stranded;
-  r.model_free_in_unused_segments_bytes = run.free_in_unused_bytes;
-  // The model's device calls happen during the alloc/free that caused them;
-  // the recording logs segment_alloc just before its alloc, segment_free
-  // before the event that follows. Compare them by order and size direction,
-  // and by the alloc they belong to.
+// The model's device calls against the recorded ones.
+void compare_device_calls(const Snapshot& snap, const RecordedWalk& w, const ModelRun& run, SnapshotReplay& r) {
+  const auto& rec_calls = w.rec_calls;
   const size_t n = std::max(rec_calls.size(), run.device_calls.size());
   r.matches = true;
   for (size_t k = 0; k < n; ++k) {
@@ -977,8 +990,12 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
       break;
     }
   }
-  // The reserved series: after every alloc and completed free (a run of
-  // recorded segment_frees ends before the event that follows it).
+}
+
+// The reserved series: after every alloc and completed free (a run of
+// recorded segment_frees ends before the event that follows it).
+void compare_reserved(const Snapshot& snap, const RecordedWalk& w, const ModelRun& run, SnapshotReplay& r) {
+  const auto& rec_reserved_after = w.rec_reserved_after;
   for (size_t i = 0; i < snap.traces.size(); ++i) {
     const auto& a = snap.traces[i].action;
     if ((a != "alloc" && a != "free_completed") || run.reserved_after[i] < 0) continue;
@@ -993,6 +1010,29 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
       break;
     }
   }
+}
+
+} // namespace
+
+SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& config) {
+  SnapshotReplay r;
+  r.num_events = static_cast<int64_t>(snap.traces.size());
+  const auto before = preexisting(snap);
+  r.num_preexisting_blocks = static_cast<int64_t>(before.size());
+  const RecordedWalk walk = walk_recorded(snap, before, config, r);
+  attribute_peak(snap, walk, r);
+  auto run = run_model(snap, before, config, /*seeded=*/true);
+  r.model = run.fig;
+  r.model_free_at_peak_bytes = run.free_at_peak_bytes;
+  r.stranded_at_peak = run.stranded;
+  r.model_free_in_unused_segments_bytes = run.free_in_unused_bytes;
+  // The model's device calls happen during the alloc/free that caused them;
+  // the recording logs segment_alloc just before its alloc, segment_free
+  // before the event that follows. Compare them by order and size direction,
+  // and by the alloc they belong to.
+  compare_device_calls(snap, walk, run, r);
+  compare_reserved(snap, walk, run, r);
+  const auto& rec = r.recorded;
   if (run.first_address_mismatch >= 0 && (r.matches || run.first_address_mismatch < *r.first_mismatch)) {
     const auto& e = snap.traces[static_cast<size_t>(run.first_address_mismatch)];
     r.matches = false;

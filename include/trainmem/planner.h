@@ -280,7 +280,7 @@ struct CheckpointPlan {
   int64_t min_peak_bytes = 0;          ///< the smallest peak any plan reaches, in bytes
   double min_peak_cost = 0;            ///< the least recompute that reaches it
   /// 0 when the search was exact. Otherwise it bucketed the stored bytes at
-  /// large boundaries (Note [Bucketed boundaries] in planner.cpp): no plan
+  /// large boundaries (Note [Bucketed boundaries] in plan_search.cpp): no plan
   /// with a peak within the budget less this many bytes costs less than this
   /// one. The plan's own figures are exact either way.
   int64_t bucket_bytes = 0;

@@ -2,7 +2,7 @@
 // A meta backward that accumulates gradients as the real device's engine
 // does (in place where it would): Note [Gradient accumulation on meta] in
 // backward_on_meta.cpp. Used by predict_step_peak and the region planner
-// (planner.cpp) and by predict_cuda_step_peak (cuda_predict.cpp).
+// (predict.cpp) and by predict_cuda_step_peak (cuda_predict.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
 
