@@ -424,6 +424,12 @@ std::vector<CpuMemoryEvent> AllocRecorder::take_events() {
   std::vector<CpuMemoryEvent> out;
   std::lock_guard<std::mutex> lock(r.mutex);
   out.swap(r.events);
+  // A loop's steps log about as many events each: room for as many again,
+  // so the next step's allocations (which log under the slot's lock) do not
+  // regrow the log from empty (std::allocator: never the counting one).
+  if (r.logging) {
+    r.events.reserve(std::min<size_t>(out.size(), static_cast<size_t>(std::max<int64_t>(r.max_events, 0))));
+  }
   return out;
 }
 

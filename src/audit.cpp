@@ -106,6 +106,8 @@ void state_tensors(const torch::optim::Optimizer& opt, std::vector<at::Tensor>& 
 // and dropped here later.
 thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
 thread_local std::optional<at::CallbackHandle> tls_watch_callback;
+// The callback was removed for a backward (Note [No op watcher in backward]).
+thread_local bool tls_watch_suspended = false;
 
 std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn);
 void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*);
@@ -411,6 +413,12 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         meter_guard = std::make_unique<SavedTensorMeterGuard>(*meter);
       }
     }
+    // Note [No op watcher in backward]
+    if (begin) {
+      suspend_watch_callback();
+    } else {
+      resume_watch_callback();
+    }
     const int64_t t = now_ns();
     if (begin) {
       // A provisional optimizer step that saw no optimizer was forward
@@ -473,6 +481,11 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   }
 
   void watch_start(const at::RecordFunction& fn) {
+    if (c10::GradMode::is_enabled()) {
+      return;  // LibTorch's optimizers step under NoGradGuard; forward (and
+               // TorchScript's detached differentiable graphs) run with grad.
+               // Checked first: most ops of a step run with grad, and take no lock.
+    }
     std::lock_guard<std::mutex> lock(mutex);
     if (!watching()) {
       return;
@@ -480,10 +493,6 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     const auto name = std::string_view(fn.name());
     if (name == "aten::zero_" || name == "aten::detach_" || name == "aten::detach") {
       return;  // zero_grad(false) and friends are no step
-    }
-    if (c10::GradMode::is_enabled()) {
-      return;  // LibTorch's optimizers step under NoGradGuard; forward (and
-               // TorchScript's detached differentiable graphs) run with grad
     }
     int64_t owner = -1;
     auto look = [&](const at::Tensor& t) {
@@ -541,12 +550,43 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     auto& w = tls_watchers;
     w.erase(std::remove_if(w.begin(), w.end(), [](const auto& e) { return e.expired(); }), w.end());
     w.push_back(weak_from_this());
+    tls_watch_suspended = false;
+    add_watch_callback();
+  }
+
+  static void add_watch_callback() {
     if (!tls_watch_callback) {
       tls_watch_callback = at::addThreadLocalCallback(
           at::RecordFunctionCallback(&on_watch_start, &on_watch_end)
               .needsInputs(true)
               .needsOutputs(true)
               .scopes({at::RecordScope::FUNCTION}));
+    }
+  }
+
+  // Note [No op watcher in backward]
+  // The op watcher needs every op's inputs and outputs boxed, which costs
+  // more than the callback itself on a step of tiny ops, and it has nothing
+  // to do in backward: every audit watching this thread has an open step
+  // here, so each sees the same outermost backward (the engine's listeners
+  // are per thread) and watching() is false for all of them until it ends.
+  // So the callback is removed while a backward runs on the step's thread
+  // and added back when it ends (an audit whose listener is called here is
+  // on this thread: tls state is its own).
+  static void suspend_watch_callback() {
+    if (tls_watch_callback) {
+      at::removeCallback(*tls_watch_callback);
+      tls_watch_callback.reset();
+      tls_watch_suspended = true;
+    }
+  }
+
+  static void resume_watch_callback() {
+    if (tls_watch_suspended) {
+      tls_watch_suspended = false;
+      if (!tls_watchers.empty()) {
+        add_watch_callback();
+      }
     }
   }
 
@@ -560,9 +600,12 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
                              return !p || p.get() == self;
                            }),
             w.end());
-    if (w.empty() && tls_watch_callback) {
-      at::removeCallback(*tls_watch_callback);
-      tls_watch_callback.reset();
+    if (w.empty()) {
+      tls_watch_suspended = false;
+      if (tls_watch_callback) {
+        at::removeCallback(*tls_watch_callback);
+        tls_watch_callback.reset();
+      }
     }
   }
 

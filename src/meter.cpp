@@ -4,6 +4,7 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <unordered_map>
 
 #include <ATen/record_function.h>
@@ -213,11 +214,15 @@ struct MeterState {
   // differentiable graph's own ops, before any save opened a group).
   std::vector<std::string> recent_ops;
 
-  void group_op_ended(const std::string& op, bool builds_graph) {
+  // Takes the op's name as RecordFunction keeps it: a string is made only
+  // when it is kept (most top-level ops build graph, or the list is full).
+  void group_op_ended(std::string_view op, bool builds_graph) {
     std::lock_guard<std::mutex> lock(mutex);
     if (builds_graph) {
-      close_group_locked();
-      recent_ops.clear();
+      if (group_open.load() || !recent_ops.empty()) {
+        close_group_locked();
+        recent_ops.clear();
+      }
       return;
     }
     if (op == "aten::detach" || op == "aten::detach_") {
@@ -225,7 +230,7 @@ struct MeterState {
     }
     auto& ops = group_open.load() ? group.ops : recent_ops;
     if (ops.size() < 6 && std::find(ops.begin(), ops.end(), op) == ops.end()) {
-      ops.push_back(op);
+      ops.emplace_back(op);
     }
   }
 
