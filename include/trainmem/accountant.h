@@ -21,6 +21,8 @@
 
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
+
 namespace torch::nn {
 class Module;
 } // namespace torch::nn
@@ -85,16 +87,16 @@ struct StaticBuckets {
 };
 
 /// Reads the static buckets of `module` alone (no optimizer).
-StaticBuckets account(const torch::nn::Module& module);
+TRAINMEM_API StaticBuckets account(const torch::nn::Module& module);
 /// Reads the static buckets of `module` and `optimizer`. Throws if the
 /// optimizer has no parameters, or if it has parameters that are not in
 /// `module` (the message says how many).
-StaticBuckets account(
+TRAINMEM_API StaticBuckets account(
     const torch::nn::Module& module,
     const torch::optim::Optimizer& optimizer);
 
 /// Text table of the buckets.
-std::string to_string(const StaticBuckets& buckets);
+TRAINMEM_API std::string to_string(const StaticBuckets& buckets);
 
 /// Training recipes whose static bytes per parameter have a closed form.
 enum class Recipe {
@@ -137,19 +139,19 @@ struct StaticFormula {
 
 /// Predicts the static bytes of `num_params` parameters under `recipe`.
 /// Adafactor needs shapes: use the Module overload for it.
-StaticFormula predict_static_bytes(int64_t num_params, Recipe recipe);
+TRAINMEM_API StaticFormula predict_static_bytes(int64_t num_params, Recipe recipe);
 /// Predicts the static bytes of `module`'s trainable parameters under `recipe`
 /// (Adafactor: row (rows, 1) and column (1, cols) state for each matrix, a
 /// full second moment for vectors). Frozen parameters count as parameters
 /// only. When the module has buffers (BatchNorm's running statistics), a last
 /// term "buffers" (Bucket::kBuffers) holds their bytes as they are stored
 /// (the accountant's StaticBuckets::buffer_bytes; no recipe changes them).
-StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recipe);
+TRAINMEM_API StaticFormula predict_static_bytes(const torch::nn::Module& module, Recipe recipe);
 
 /// "fp32 AdamW", "mixed-precision AdamW", ...
-std::string to_string(Recipe recipe);
+TRAINMEM_API std::string to_string(Recipe recipe);
 /// "P = 1,189,632 x (4 params + 4 grads + 8 AdamW m,v) = 19,034,112 B".
-std::string to_string(const StaticFormula& formula);
+TRAINMEM_API std::string to_string(const StaticFormula& formula);
 
 /// How the static buckets are split across data-parallel ranks: ZeRO
 /// (Rajbhandari et al. 2020) stage 1 shards the optimizer state, stage 2 also
@@ -204,16 +206,16 @@ struct ShardedStatic {
 /// Splits `formula`'s terms across `options.world_size()` ranks. Throws on a
 /// stage outside 0..3, a world size below 1, offload at stage 0, or parameter
 /// offload below stage 3.
-ShardedStatic shard_static_bytes(const StaticFormula& formula, const ShardingOptions& options);
+TRAINMEM_API ShardedStatic shard_static_bytes(const StaticFormula& formula, const ShardingOptions& options);
 
 /// Elements of the largest parameter set one module owns directly (DeepSpeed's
 /// "largest layer", what ZeRO-3 gathers at once): max over submodules of their
 /// own (non-recursive) parameters, each tensor counted once.
-int64_t largest_layer_params(const torch::nn::Module& module);
+TRAINMEM_API int64_t largest_layer_params(const torch::nn::Module& module);
 
 /// "mixed-precision AdamW, ZeRO-2 over 8 ranks: 26,250,000,000 B per rank
 /// on the device, 0 B on the host" and one line per term.
-std::string to_string(const ShardedStatic& sharded);
+TRAINMEM_API std::string to_string(const ShardedStatic& sharded);
 
 /// One term of a published per-rank formula.
 struct PublishedTerm {
@@ -229,7 +231,7 @@ struct PublishedTerm {
 
 /// A published static-memory formula as named terms, with where its
 /// assumptions differ from ours. Plain data.
-struct PublishedFormula {
+struct TRAINMEM_API PublishedFormula {
   std::string source;               ///< "DeepSpeed estimate_zero2_model_states_mem_needs"...
   std::string formula;              ///< as published: "2P + 18P/N"
   Recipe recipe = Recipe::kMixedAdamW; ///< our closest recipe
@@ -258,9 +260,9 @@ enum class Published {
 };
 
 /// The published formula, its terms and our differences.
-PublishedFormula published_formula(Published which);
+TRAINMEM_API PublishedFormula published_formula(Published which);
 /// Every Published value, in enum order.
-std::vector<Published> all_published_formulas();
+TRAINMEM_API std::vector<Published> all_published_formulas();
 
 /// A published formula beside ours at the same size. Plain data.
 struct Reconciliation {
@@ -279,10 +281,10 @@ struct Reconciliation {
 /// auto r = trainmem::reconcile(trainmem::Published::kDeepSpeedZero2, 7000000000, 8);
 /// r.difference_bytes;   // 3,500,000,000: DeepSpeed's fp32 gradient partition, 4 P / N
 /// ```
-Reconciliation reconcile(Published which, int64_t num_params, int64_t world_size,
+TRAINMEM_API Reconciliation reconcile(Published which, int64_t num_params, int64_t world_size,
                          int64_t largest_layer_params = 0);
 
 /// Both figures, the difference and the terms that explain it.
-std::string to_string(const Reconciliation& reconciliation);
+TRAINMEM_API std::string to_string(const Reconciliation& reconciliation);
 
 } // namespace trainmem

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "trainmem/export.h"
+
 namespace trainmem {
 
 /// Counters of the CPU allocator wrapper. Bytes are requested sizes.
@@ -43,7 +45,7 @@ struct CpuMemoryEvent {
 /// The process-wide counting CPU allocator. Installed once, never destroyed
 /// (storages it made may outlive everything else). Thread-safe: frees may
 /// come from any thread. Never throws from the allocation path.
-class CpuMemoryTracker {
+class TRAINMEM_API CpuMemoryTracker {
  public:
   /// Installs the wrapper (first call) and returns it. Throws if another
   /// allocator with a higher priority is installed.
@@ -88,7 +90,7 @@ class CpuMemoryTracker {
 /// auto loss = model->forward(x).sum();
 /// int64_t forward_peak = fwd.peak_bytes();
 /// ```
-class PeakWindow {
+class TRAINMEM_API PeakWindow {
  public:
   explicit PeakWindow(CpuMemoryTracker& tracker);
   ~PeakWindow();

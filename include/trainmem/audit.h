@@ -34,6 +34,7 @@
 #include <c10/core/Device.h>
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
 #include "trainmem/report.h"
 #include "trainmem/timeline.h"
 
@@ -84,7 +85,7 @@ struct AuditOptions {
 /// come from the caching allocator (the audit resets its peak statistics at
 /// each phase, for the whole device) and the timeline is not recorded: use
 /// start_cuda_memory_history() and cuda_memory_snapshot().
-class Audit {
+class TRAINMEM_API Audit {
  public:
   /// Audits `model` (and `optimizer`, may be null) on `device`. Both must
   /// outlive the Audit. Throws c10::Error naming the device if it cannot be
@@ -197,7 +198,7 @@ class Audit {
   /// RAII step: begin_step() on construction, end_step() on destruction
   /// (never throws; a failure there becomes a warning). Not thread-local, but
   /// must be destroyed on the thread that made it.
-  class StepGuard {
+  class TRAINMEM_API StepGuard {
    public:
     explicit StepGuard(Audit& audit);
     ~StepGuard();
@@ -229,7 +230,7 @@ class Audit {
   /// ```
   /// { auto p = audit.phase(trainmem::Phase::kOptimizerStep, "EMA update"); ema.update(model); }
   /// ```
-  class PhaseGuard {
+  class TRAINMEM_API PhaseGuard {
    public:
     PhaseGuard(Audit& audit, Phase phase, std::string name);
     ~PhaseGuard();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "trainmem/export.h"
 #include "trainmem/checkpoint.h"
 #include "trainmem/selective.h"
 
@@ -27,7 +28,7 @@ namespace trainmem {
 /// ```
 /// auto y = model->forward(x, trainmem::BlockCheckpointing::every(6, 2));
 /// ```
-struct BlockCheckpointing {
+struct TRAINMEM_API BlockCheckpointing {
   std::vector<bool> blocks;       ///< blocks[i]: checkpoint block i
   CheckpointOptions options;      ///< options of each checkpoint call
   /// Empty (every checkpointed block uses `options`), or one entry per block:

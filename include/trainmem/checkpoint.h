@@ -24,6 +24,8 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include "trainmem/export.h"
+
 namespace trainmem {
 
 /// RAII tokens returned by a CheckpointContexts factory: alive while the
@@ -33,7 +35,7 @@ using ContextToken = std::shared_ptr<void>;
 /// A pair of scopes entered around a checkpointed region: one for the
 /// original forward, one for the recompute in backward. This is how selective
 /// checkpointing plugs in (see selective.h), like PyTorch's `context_fn`.
-struct CheckpointContexts {
+struct TRAINMEM_API CheckpointContexts {
   std::function<ContextToken()> forward;   ///< entered around the forward
   std::function<ContextToken()> recompute; ///< entered around the recompute
 };
@@ -71,7 +73,7 @@ using CheckpointFunction =
     std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 namespace detail {
-std::vector<at::Tensor> checkpoint_impl(
+TRAINMEM_API std::vector<at::Tensor> checkpoint_impl(
     const CheckpointFunction& fn,
     const std::vector<at::Tensor>& inputs,
     const CheckpointOptions& options);
@@ -127,7 +129,7 @@ at::Tensor checkpoint(
 /// Splits `sequential` into `segments` chunks of consecutive modules and
 /// checkpoints all but the last, like `torch.utils.checkpoint.
 /// checkpoint_sequential`. Throws if segments is not in [1, size].
-at::Tensor checkpoint_sequential(
+TRAINMEM_API at::Tensor checkpoint_sequential(
     const torch::nn::Sequential& sequential,
     int64_t segments,
     const at::Tensor& input,
@@ -135,6 +137,6 @@ at::Tensor checkpoint_sequential(
 
 /// The segment count that minimizes stored boundaries plus one recomputed
 /// segment for `num_layers` layers: round(sqrt(L)), at least 1 (Chen et al.).
-int64_t sqrt_segments(int64_t num_layers);
+TRAINMEM_API int64_t sqrt_segments(int64_t num_layers);
 
 } // namespace trainmem

@@ -43,6 +43,8 @@
 
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
+
 namespace trainmem {
 
 /// The caching allocator's settings (`PYTORCH_CUDA_ALLOC_CONF`), with
@@ -52,7 +54,7 @@ namespace trainmem {
 /// ```
 /// auto c = trainmem::CudaAllocatorConfig::parse("expandable_segments:True,max_split_size_mb:128");
 /// ```
-struct CudaAllocatorConfig {
+struct TRAINMEM_API CudaAllocatorConfig {
   /// Blocks of this many bytes or more are never split (`max_split_size_mb`);
   /// the default is unlimited.
   TORCH_ARG(int64_t, max_split_size_bytes) = std::numeric_limits<int64_t>::max();
@@ -132,7 +134,7 @@ struct CudaSegmentInfo {
 /// addresses are made up (segments never overlap; their order among equal
 /// sizes decides ties, as cudaMalloc's addresses do on a device). Not
 /// thread-safe.
-class CudaCachingAllocatorModel {
+class TRAINMEM_API CudaCachingAllocatorModel {
  public:
   explicit CudaCachingAllocatorModel(CudaAllocatorConfig config = {});
   ~CudaCachingAllocatorModel();
@@ -206,6 +208,6 @@ struct CudaReplay {
 /// Replays `events` through `model` (which may already hold blocks: they
 /// count in the peaks) after resetting its peaks. Frees of ids the trace did
 /// not allocate are ignored (storages allocated before recording began).
-CudaReplay replay(const std::vector<AllocationEvent>& events, CudaCachingAllocatorModel& model);
+TRAINMEM_API CudaReplay replay(const std::vector<AllocationEvent>& events, CudaCachingAllocatorModel& model);
 
 } // namespace trainmem

@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
 #include "trainmem/cuda_allocator_model.h"
 #include "trainmem/planner.h"
 #include "trainmem/timeline.h"
@@ -149,14 +150,14 @@ struct CudaStepPrediction {
 /// substituted for the CPU kernel's as the trace is recorded). What it does
 /// not: reduction kernels' small scratch buffers, cuDNN workspaces, NCCL,
 /// memory outside the caching allocator (the CUDA context, ~0.5 GB).
-CudaStepPrediction predict_cuda_step_peak(
+TRAINMEM_API CudaStepPrediction predict_cuda_step_peak(
     torch::nn::Module& module,
     const std::function<at::Tensor()>& loss_fn,
     torch::optim::Optimizer* optimizer = nullptr,
     const CudaPredictOptions& options = {});
 
 /// Text: max allocated and reserved, the phase, and the terms at the peak.
-std::string to_string(const CudaStepPrediction& prediction);
+TRAINMEM_API std::string to_string(const CudaStepPrediction& prediction);
 
 /// What a CUDA budget limits: what tensors hold (max_memory_allocated) or
 /// what the caching allocator holds from the device (max_memory_reserved,
@@ -164,7 +165,7 @@ std::string to_string(const CudaStepPrediction& prediction);
 enum class CudaBudgetKind { kAllocated, kReserved };
 
 /// "allocated", "reserved".
-const char* to_string(CudaBudgetKind kind);
+TRAINMEM_API const char* to_string(CudaBudgetKind kind);
 
 /// A checkpointing plan whose predicted CUDA peak fits a budget. Plain data.
 struct CudaCheckpointPlan {
@@ -200,7 +201,7 @@ struct CudaCheckpointPlan {
 /// auto r = trainmem::plan_regions_cuda(m, *model.module, trainmem::PlanOptions().budget_bytes(80LL << 30),
 ///                                      trainmem::CudaBudgetKind::kAllocated);
 /// ```
-CudaCheckpointPlan plan_regions_cuda(
+TRAINMEM_API CudaCheckpointPlan plan_regions_cuda(
     const RegionModel& model,
     torch::nn::Module& module,
     const PlanOptions& options,
@@ -211,6 +212,6 @@ CudaCheckpointPlan plan_regions_cuda(
 /// (LibTorch's prepare_matrix_for_cublas: a matrix that is neither dense
 /// nor row/column strided with a valid leading dimension is cloned
 /// contiguous), or 0. `t` is a 2-d or 3-d (batched) operand.
-int64_t cublas_operand_copy_bytes(const at::Tensor& t);
+TRAINMEM_API int64_t cublas_operand_copy_bytes(const at::Tensor& t);
 
 } // namespace trainmem

@@ -26,6 +26,8 @@
 
 #include <c10/core/Device.h>
 
+#include "trainmem/export.h"
+
 namespace trainmem {
 
 /// Memory counters of one device. On CPU the allocator caches nothing, so
@@ -51,11 +53,11 @@ struct DeviceMemoryStats {
 /// with CUDA. CPU: needs CpuMemoryTracker::install(). Throws c10::Error naming
 /// the device when it cannot be read (no CUDA, index out of range, tracker
 /// not installed).
-DeviceMemoryStats device_memory_stats(const c10::Device& device);
+TRAINMEM_API DeviceMemoryStats device_memory_stats(const c10::Device& device);
 
 /// Restarts the peaks of `device` at the current values (CUDA: the caching
 /// allocator's peak stats; CPU: the tracker's global peak).
-void reset_peak(const c10::Device& device);
+TRAINMEM_API void reset_peak(const c10::Device& device);
 
 /// Allocator slack of a DeviceMemoryStats, with hints when it is large.
 struct Fragmentation {
@@ -69,25 +71,25 @@ struct Fragmentation {
 /// (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, warming up on the
 /// longest batch, emptying the cache between phases) when slack exceeds
 /// `threshold_fraction` of reserved bytes and `floor_bytes`.
-Fragmentation fragmentation(
+TRAINMEM_API Fragmentation fragmentation(
     const DeviceMemoryStats& stats,
     double threshold_fraction = 0.2,
     int64_t floor_bytes = 64LL << 20);
 
 /// True when this build can record CUDA memory history (LibTorch with CUDA at
 /// build time and a CUDA device now).
-bool cuda_memory_history_available();
+TRAINMEM_API bool cuda_memory_history_available();
 
 /// Starts recording CUDA allocator history with C++ stack context, keeping the
 /// last `max_entries` events. Throws c10::Error when unavailable.
-void start_cuda_memory_history(int64_t max_entries = 100000);
+TRAINMEM_API void start_cuda_memory_history(int64_t max_entries = 100000);
 
 /// Stops recording (keeps what was recorded for the next snapshot).
-void stop_cuda_memory_history();
+TRAINMEM_API void stop_cuda_memory_history();
 
 /// LibTorch's own pickled snapshot of the CUDA caching allocator (segments
 /// and the recorded history): the file pytorch.org/memory_viz opens. Throws
 /// c10::Error when unavailable.
-std::string cuda_memory_snapshot();
+TRAINMEM_API std::string cuda_memory_snapshot();
 
 } // namespace trainmem

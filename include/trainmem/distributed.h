@@ -45,6 +45,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
 #include "trainmem/audit.h"
 #include "trainmem/report.h"
 
@@ -65,7 +66,7 @@ namespace trainmem {
 /// A `c10d::ProcessGroup` around a bare backend (a `ProcessGroupGloo` or
 /// `ProcessGroupNCCL` made by hand), for the APIs below. `store` is the store
 /// the backend was made with. Throws c10::Error naming an unknown backend.
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
+TRAINMEM_API c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
     const c10::intrusive_ptr<c10d::Backend>& backend,
     const c10::intrusive_ptr<c10d::Store>& store);
 
@@ -111,7 +112,7 @@ struct DataParallelOptions {
 ///
 /// It does not broadcast rank 0's parameters: check_model_agreement() reports
 /// ranks that differ instead. The model and process group must outlive it.
-class DataParallel {
+class TRAINMEM_API DataParallel {
  public:
   /// Registers hooks on every trainable parameter of `model`. Throws
   /// c10::Error naming a bad option (a cap <= 0), or a model with no
@@ -157,7 +158,7 @@ class DataParallel {
 /// that differs from rank 0 ("rank 2: 3 parameters, rank 0 has 4"); empty when
 /// all agree. Data-parallel training over such ranks would average unrelated
 /// gradients: report it, do not train.
-std::vector<std::string> check_model_agreement(
+TRAINMEM_API std::vector<std::string> check_model_agreement(
     const torch::nn::Module& model,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group);
 
@@ -171,7 +172,7 @@ struct RankReport {
 };
 
 /// Everything a multi-rank audit found. Plain data.
-struct DistributedReport {
+struct TRAINMEM_API DistributedReport {
   std::string schema = "trainmem-distributed/1";
   std::string title = "train";
   std::string backend;                ///< the process group's backend: "gloo", "nccl"...
@@ -197,7 +198,7 @@ struct DistributedReport {
 
 /// Audits one rank's steps (an Audit) and gathers every rank's report to
 /// rank 0 through the process group. Not thread-safe (like Audit).
-class DistributedAudit {
+class TRAINMEM_API DistributedAudit {
  public:
   /// As Audit's constructor; `process_group` must outlive it. Throws on a
   /// null process group.
@@ -241,17 +242,17 @@ class DistributedAudit {
 /// The per-rank table a person reads: static buckets, communication
 /// buffers, saved bytes, peak and its phase, step time; max / min /
 /// imbalance and the worst rank; the ZeRO-0 prediction beside the measured.
-std::string to_text(const DistributedReport& report);
+TRAINMEM_API std::string to_text(const DistributedReport& report);
 /// One JSON document (schema "trainmem-distributed/1") with one entry per
 /// rank, each holding that rank's "trainmem/1" report; `indent` < 0: one line.
-std::string to_json(const DistributedReport& report, int indent = 2);
+TRAINMEM_API std::string to_json(const DistributedReport& report, int indent = 2);
 /// Reads a document written by to_json(). Throws c10::Error naming what is wrong.
-DistributedReport distributed_report_from_json(const std::string& json);
+TRAINMEM_API DistributedReport distributed_report_from_json(const std::string& json);
 /// A self-contained HTML page: the per-rank table, then the ranks side by
 /// side (buckets, peaks and a live-bytes plot each).
-std::string to_html(const DistributedReport& report);
+TRAINMEM_API std::string to_html(const DistributedReport& report);
 /// Chrome Trace Event JSON with one process per rank (pid = rank), the
 /// ranks' timelines aligned on the host's monotonic clock.
-std::string to_chrome_trace(const DistributedReport& report);
+TRAINMEM_API std::string to_chrome_trace(const DistributedReport& report);
 
 } // namespace trainmem

@@ -12,12 +12,14 @@
 #include <cstdint>
 #include <string>
 
+#include "trainmem/export.h"
+
 namespace trainmem {
 
 /// "1,234,567": bytes with thousands separators (INT64_MIN included).
-std::string with_commas(int64_t value);
+TRAINMEM_API std::string with_commas(int64_t value);
 
 /// "48.7 MiB": bytes in binary units with one decimal.
-std::string human_bytes(int64_t bytes);
+TRAINMEM_API std::string human_bytes(int64_t bytes);
 
 } // namespace trainmem

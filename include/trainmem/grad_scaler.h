@@ -35,6 +35,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
+
 namespace torch::optim {
 class Optimizer;
 } // namespace torch::optim
@@ -72,7 +74,7 @@ struct GradScalerState {
 
 /// Dynamic loss scaling. Not thread-safe; one scaler per training loop. The
 /// scale lives on the device of the first loss scaled.
-class GradScaler {
+class TRAINMEM_API GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
 

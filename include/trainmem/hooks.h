@@ -27,6 +27,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "trainmem/export.h"
+
 namespace trainmem {
 
 /// A pair of pack/unpack hooks. `pack` runs once per tensor autograd saves,
@@ -37,7 +39,7 @@ namespace trainmem {
 /// and after the scope that installed the hooks has ended, so an implementation
 /// must keep the state it needs in itself. It returns a plain tensor; autograd
 /// re-attaches the history.
-class SavedTensorHooks {
+class TRAINMEM_API SavedTensorHooks {
  public:
   virtual ~SavedTensorHooks() = default;
   /// Called once per saved tensor; the returned value is handed to unpack.
@@ -76,7 +78,7 @@ using UnpackHook = std::function<at::Tensor(const std::any&)>;
 /// }
 /// loss.backward();   // MyHooks::unpack runs here
 /// ```
-class SavedTensorHooksGuard {
+class TRAINMEM_API SavedTensorHooksGuard {
  public:
   /// Installs a hooks object. Throws if `hooks` is null, or inside a
   /// DisableSavedTensorHooksGuard (with its message).
@@ -107,7 +109,7 @@ class SavedTensorHooksGuard {
 /// trainmem::DisableSavedTensorHooksGuard off("my cache cannot be offloaded");
 /// auto y = layer->forward(x);   // saved without any hook
 /// ```
-class DisableSavedTensorHooksGuard {
+class TRAINMEM_API DisableSavedTensorHooksGuard {
  public:
   explicit DisableSavedTensorHooksGuard(std::string error_message = {});
   ~DisableSavedTensorHooksGuard();
@@ -128,9 +130,9 @@ class DisableSavedTensorHooksGuard {
 /// guards above take effect. It is installed when this library loads; a
 /// process that imports torch's Python module replaces it (then the guards
 /// throw with a message saying so).
-bool saved_tensor_hooks_available();
+TRAINMEM_API bool saved_tensor_hooks_available();
 
 /// Number of hook frames (hooks and disable guards) active on this thread.
-int64_t num_active_saved_tensor_hooks();
+TRAINMEM_API int64_t num_active_saved_tensor_hooks();
 
 } // namespace trainmem

@@ -26,6 +26,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "trainmem/export.h"
+
 namespace torch::nn {
 class Module;
 } // namespace torch::nn
@@ -42,7 +44,7 @@ namespace trainmem {
 /// refuses this ("incompatible tensor type"). Note that the module was built
 /// on CPU first, so its parameters were allocated once; build it under a
 /// MetaInitGuard instead to allocate nothing.
-void to_meta(torch::nn::Module& module);
+TRAINMEM_API void to_meta(torch::nn::Module& module);
 
 /// Thread-local RAII guard: while it is alive, every factory op called on this
 /// thread — an ATen op with a `device` argument and no tensor argument:
@@ -75,7 +77,7 @@ void to_meta(torch::nn::Module& module);
 /// trainmem::MetaInitGuard meta;
 /// torch::nn::Linear lin(1000, 1000);   // lin->weight.is_meta(), nothing allocated
 /// ```
-class MetaInitGuard {
+class TRAINMEM_API MetaInitGuard {
  public:
   /// Starts routing this thread's factory ops to the meta device. Throws if
   /// the op interceptor cannot be registered.
@@ -114,7 +116,7 @@ class MetaInitGuard {
 /// (cuDNN's RNN is neither). Idempotent; MetaInitGuard and to_meta() call
 /// it. Call it yourself before running a forward on meta tensors made
 /// otherwise.
-void register_meta_kernels();
+TRAINMEM_API void register_meta_kernels();
 
 /// An op that has no kernel for meta tensors, as find_missing_meta_kernel()
 /// found it. Plain data.
@@ -145,12 +147,12 @@ struct MissingMetaKernel {
 ///   model->forward(torch::empty({8, 1, 28, 28}, torch::kMeta)).sum().backward(); });
 /// if (missing) std::cout << "no meta kernel for " << missing->op << "\n";
 /// ```
-std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<void()>& run);
+TRAINMEM_API std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<void()>& run);
 
 /// A module with an initialization of its own beyond its children's (e.g.
 /// GPT's embeddings at N(0, 0.02)): `materialize()` calls `reset_parameters()`
 /// after its children's, in place, tensors kept.
-class Reinitializable {
+class TRAINMEM_API Reinitializable {
  public:
   virtual ~Reinitializable() = default;
   /// Re-initializes, in place, the values this module sets itself.
@@ -166,7 +168,7 @@ using ModuleInit = std::function<bool(torch::nn::Module& module)>;
 /// Conv{1,2,3}d, ConvTranspose{1,2,3}d, Embedding, EmbeddingBag, LayerNorm,
 /// GroupNorm, BatchNorm{1,2,3}d, InstanceNorm{1,2,3}d, MultiheadAttention,
 /// RNN, LSTM, GRU and their cells. Returns false for any other type.
-bool reset_builtin_parameters(torch::nn::Module& module);
+TRAINMEM_API bool reset_builtin_parameters(torch::nn::Module& module);
 
 /// Gives every meta parameter and buffer of `module` (recursively) storage on
 /// `device`, uninitialized (PyTorch's `Module.to_empty`). Each tensor keeps its
@@ -174,7 +176,7 @@ bool reset_builtin_parameters(torch::nn::Module& module);
 /// that share one storage on meta (tied weights, views) share one on `device`.
 /// Tensors already off meta are left alone. Allocates exactly the meta
 /// storages' bytes.
-void to_empty(torch::nn::Module& module, c10::Device device);
+TRAINMEM_API void to_empty(torch::nn::Module& module, c10::Device device);
 
 /// `to_empty(module, device)`, then re-initializes every module in post-order
 /// (children in registration order, then the parent): `init` if given and it
@@ -195,7 +197,7 @@ void to_empty(torch::nn::Module& module, c10::Device device);
 /// ```
 /// trainmem::materialize(*model, torch::Device(torch::kCUDA, 0));
 /// ```
-void materialize(torch::nn::Module& module, c10::Device device, const ModuleInit& init = nullptr);
+TRAINMEM_API void materialize(torch::nn::Module& module, c10::Device device, const ModuleInit& init = nullptr);
 
 /// Yields the tensor for a parameter or buffer by its dotted name in
 /// `named_parameters()` / `named_buffers()` ("transformer.blocks.0.qkv.weight"),
@@ -208,7 +210,7 @@ using TensorSource = std::function<at::Tensor(const std::string& name)>;
 /// loaded until it is destroyed: loading onto another device keeps the
 /// checkpoint once in host memory (the archive) and once on the device; a
 /// TensorSource that reads each tensor on demand keeps one at a time.
-TensorSource archive_source(torch::serialize::InputArchive& archive);
+TRAINMEM_API TensorSource archive_source(torch::serialize::InputArchive& archive);
 
 /// What load_into() did.
 struct LoadReport {
@@ -236,7 +238,7 @@ struct LoadReport {
 /// archive.load_from("gpt2.pt");
 /// trainmem::load_into(*model, trainmem::archive_source(archive), torch::kCPU);
 /// ```
-LoadReport load_into(torch::nn::Module& module, const TensorSource& source, c10::Device device,
+TRAINMEM_API LoadReport load_into(torch::nn::Module& module, const TensorSource& source, c10::Device device,
                      bool strict = true);
 
 } // namespace trainmem

@@ -25,6 +25,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "trainmem/export.h"
+
 namespace torch::nn {
 class Module;
 } // namespace torch::nn
@@ -83,7 +85,7 @@ struct MeterState;
 /// not the peak. Its unpack is the identity: gradients are bit-identical with
 /// and without it. It works for CPU, CUDA and meta tensors (storages are keyed
 /// by identity, not by data pointer, so meta tensors dedupe too).
-class SavedTensorMeter {
+class TRAINMEM_API SavedTensorMeter {
  public:
   /// A meter that excludes nothing.
   SavedTensorMeter();
@@ -131,7 +133,7 @@ class SavedTensorMeter {
 /// ```
 /// { trainmem::SavedTensorMeterGuard scope(meter); loss = net->forward(x).sum(); }
 /// ```
-class SavedTensorMeterGuard {
+class TRAINMEM_API SavedTensorMeterGuard {
  public:
   explicit SavedTensorMeterGuard(SavedTensorMeter& meter);
   ~SavedTensorMeterGuard();
@@ -147,6 +149,6 @@ class SavedTensorMeterGuard {
 };
 
 /// Text table of a report: totals, then bytes by node.
-std::string to_string(const SavedTensorReport& report);
+TRAINMEM_API std::string to_string(const SavedTensorReport& report);
 
 } // namespace trainmem

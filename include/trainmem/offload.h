@@ -26,6 +26,7 @@
 
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
 #include "trainmem/hooks.h"
 
 namespace torch::nn {
@@ -63,7 +64,7 @@ class OffloadHooks;
 /// Offloads saved tensors to host memory while alive. Thread-local and RAII
 /// (it is a SavedTensorHooksGuard); the copies come back during backward,
 /// after the scope ended.
-class SaveOnCpuGuard {
+class TRAINMEM_API SaveOnCpuGuard {
  public:
   explicit SaveOnCpuGuard(SaveOnCpuOptions options = {});
   /// Also never offloads `module`'s parameters and buffers.

@@ -24,6 +24,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "trainmem/export.h"
+
 namespace torch::optim {
 class Optimizer;
 } // namespace torch::optim
@@ -39,7 +41,7 @@ using OptimizerFactory =
 /// tensor); the destructor gives it back. Hooks fire from AccumulateGrad, i.e.
 /// for `backward()`, not for `torch::autograd::grad(outputs, inputs)`, on the
 /// autograd engine's thread for the parameter's device.
-class OptimizerInBackward {
+class TRAINMEM_API OptimizerInBackward {
  public:
   /// Hooks every parameter that requires grad. `accumulation_steps` k >= 1:
   /// gradients accumulate over k backward passes and the step runs (and the

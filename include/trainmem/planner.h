@@ -36,6 +36,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "trainmem/export.h"
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
 #include "trainmem/timeline.h"
@@ -61,7 +62,7 @@ namespace trainmem {
 /// register_meta_kernels()'s (meta.h): one call gives every meta kernel
 /// trainmem adds. Idempotent; the predict functions call it. Throws if the
 /// registration fails.
-void enable_cpu_meta_kernels();
+TRAINMEM_API void enable_cpu_meta_kernels();
 
 /// Runs `forward` (which must build its inputs on the meta device and return
 /// its output or loss) under a SavedTensorMeter that excludes `module`'s
@@ -77,7 +78,7 @@ void enable_cpu_meta_kernels();
 ///   return model->forward(torch::empty({16, 64, 128}, at::kMeta), plan).pow(2).mean(); });
 /// r.saved_bytes;   // 51,052,544 for plan = none
 /// ```
-SavedTensorReport predict_saved_activations(
+TRAINMEM_API SavedTensorReport predict_saved_activations(
     const torch::nn::Module& module,
     const std::function<at::Tensor()>& forward);
 
@@ -85,7 +86,7 @@ SavedTensorReport predict_saved_activations(
 using StepPhase = Phase;  ///< the audit's phases (timeline.h)
 
 /// "forward", "backward", "optimizer step".
-std::string to_string(StepPhase phase);
+TRAINMEM_API std::string to_string(StepPhase phase);
 
 /// A training step's peak, split as static buckets + the activations live at
 /// the start of backward + the largest transient. Plain data; all in bytes.
@@ -133,7 +134,7 @@ struct StepPeak {
 ///   return meta->forward(at::empty({16, 64, 128}, at::kMeta)).pow(2).mean(); }, &opt);
 /// p.peak_bytes;   // 67,687,944: the CPU measures the same
 /// ```
-StepPeak predict_step_peak(
+TRAINMEM_API StepPeak predict_step_peak(
     torch::nn::Module& module,
     const std::function<at::Tensor()>& loss_fn,
     torch::optim::Optimizer* optimizer = nullptr);
@@ -143,13 +144,13 @@ StepPeak predict_step_peak(
 /// bytes above the step's start (so bytes live before the step that are not
 /// the module's or the optimizer's do not count). grad_bytes and
 /// transient_bytes are -1 (the allocator does not know what a block is).
-StepPeak measure_step_peak(
+TRAINMEM_API StepPeak measure_step_peak(
     torch::nn::Module& module,
     const std::function<at::Tensor()>& loss_fn,
     torch::optim::Optimizer* optimizer = nullptr);
 
 /// Text: the peak, its phase and its terms.
-std::string to_string(const StepPeak& peak);
+TRAINMEM_API std::string to_string(const StepPeak& peak);
 
 // ---------------------------------------------------------------------------
 // The checkpoint planner
@@ -162,7 +163,7 @@ using OpCostFn = std::function<double(const SelectiveOp& op)>;
 /// 2 b m k n for bmm / baddbmm, 4 B H T S hd for attention (half when
 /// causal), 0 for views and metadata ops, and one per element of the largest
 /// input tensor for everything else.
-double flop_cost(const SelectiveOp& op);
+TRAINMEM_API double flop_cost(const SelectiveOp& op);
 
 /// Measures each op's CPU time over `repeats` runs of `run` (which should run
 /// a forward of the model the plan is for, on CPU, at the planned shapes) and
@@ -176,7 +177,7 @@ double flop_cost(const SelectiveOp& op);
 /// auto cost = trainmem::measured_op_cost([&] { model->forward(x); }, 3);
 /// auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(b).op_cost(cost));
 /// ```
-OpCostFn measured_op_cost(const std::function<void()>& run, int64_t repeats = 3);
+TRAINMEM_API OpCostFn measured_op_cost(const std::function<void()>& run, int64_t repeats = 3);
 
 /// How a planned block runs.
 enum class BlockMode {
@@ -186,7 +187,7 @@ enum class BlockMode {
 };
 
 /// "store", "checkpoint", "selective".
-std::string to_string(BlockMode mode);
+TRAINMEM_API std::string to_string(BlockMode mode);
 
 /// One block of a plan, with what it costs. Plain data.
 struct BlockChoice {
@@ -219,7 +220,7 @@ struct BlockChoice {
 /// The policy that caches exactly the listed op calls ("aten::mm.default#0",
 /// the first mm of the region; calls are counted per region and per pass)
 /// and recomputes the rest.
-SelectivePolicy save_op_calls_policy(std::vector<std::string> op_calls);
+TRAINMEM_API SelectivePolicy save_op_calls_policy(std::vector<std::string> op_calls);
 
 /// Options of plan_checkpointing.
 ///
@@ -262,7 +263,7 @@ struct UnavailableChoice {
 };
 
 /// A checkpointing plan: per block (or region), how it runs. Plain data.
-struct CheckpointPlan {
+struct TRAINMEM_API CheckpointPlan {
   /// True when predicted_peak_bytes fits the budget. When false, `blocks` is
   /// the plan with the smallest reachable peak.
   bool feasible = false;
@@ -301,7 +302,7 @@ struct CheckpointPlan {
 };
 
 /// Text: the plan block by block, its predicted peak and recompute cost.
-std::string to_string(const CheckpointPlan& plan);
+TRAINMEM_API std::string to_string(const CheckpointPlan& plan);
 
 // ---------------------------------------------------------------------------
 // Planning any model: a sequence of regions
@@ -323,7 +324,7 @@ std::string to_string(const CheckpointPlan& plan);
 ///     trainmem::Region("head", [&](const at::Tensor& x) { return net->fc(x.flatten(1)); }, {net->fc.ptr()}),
 /// };
 /// ```
-class Region {
+class TRAINMEM_API Region {
  public:
   using Forward = std::function<at::Tensor(const at::Tensor&)>;
 
@@ -383,7 +384,7 @@ class Region {
 };
 
 /// One region per module of `sequential`, in order.
-std::vector<Region> regions_of(const torch::nn::Sequential& sequential);
+TRAINMEM_API std::vector<Region> regions_of(const torch::nn::Sequential& sequential);
 
 /// One region per element of `list`, each run as an `Impl` (its
 /// `forward(Tensor)`). Throws, naming it, if an element is not an `Impl`.
@@ -406,7 +407,7 @@ std::vector<Region> regions_of(const torch::nn::ModuleList& list) {
 
 /// One region per element of `list`; each element must be a Sequential (its
 /// type is otherwise unknown: use regions_of<Impl>(list)).
-std::vector<Region> regions_of(const torch::nn::ModuleList& list);
+TRAINMEM_API std::vector<Region> regions_of(const torch::nn::ModuleList& list);
 
 /// Makes an optimizer over the given parameters (any torch::optim optimizer:
 /// its kind and options).
@@ -424,7 +425,7 @@ using OptimizerFactory =
 /// m.loss = [](const at::Tensor& y) { return at::nll_loss(y, at::zeros({64}, y.options().dtype(at::kLong))); };
 /// m.optimizer = &sgd;                               // or m.make_optimizer
 /// ```
-struct RegionModel {
+struct TRAINMEM_API RegionModel {
   /// The model, in order: region i + 1 takes region i's output.
   std::vector<Region> regions;
   /// A sample input on `device` (the meta device while planning, the CPU for
@@ -465,18 +466,18 @@ struct RegionModel {
 /// std::cout << trainmem::to_string(plan);
 /// auto loss = m.loss(trainmem::run_regions(m.regions, x, plan));
 /// ```
-CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options = {});
+TRAINMEM_API CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options = {});
 
 /// Runs `regions` on `input` under `plan` (its checkpointing()): stored
 /// regions run as they are, checkpointed ones through trainmem::checkpoint,
 /// selective ones with the plan's cached op calls, segments as one region.
 /// Throws if the plan has a different number of blocks.
-at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+TRAINMEM_API at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
                        const CheckpointPlan& plan);
 
 /// The same with a BlockCheckpointing (BlockCheckpointing::full(n), a
 /// plan's checkpointing(), ...).
-at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+TRAINMEM_API at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
                        const BlockCheckpointing& plan);
 
 } // namespace trainmem

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "trainmem/export.h"
 #include "trainmem/device.h"
 #include "trainmem/format.h"  // with_commas, human_bytes (declared here before)
 #include "trainmem/meter.h"
@@ -46,7 +47,7 @@ struct StepRecord {
 };
 
 /// Everything an audit found. Plain data: fill it yourself to render your own.
-struct AuditReport {
+struct TRAINMEM_API AuditReport {
   std::string schema = "trainmem/1";
   std::string title = "train";
   /// Settings of the run, shown as given ("layers" -> "6", ...).
@@ -96,36 +97,36 @@ struct StepSummary {
 };
 
 /// Summarizes `steps` (all of them). Throws if `steps` is empty.
-StepSummary summarize_steps(const std::vector<StepRecord>& steps);
+TRAINMEM_API StepSummary summarize_steps(const std::vector<StepRecord>& steps);
 
 /// Steps shown one row each in text and HTML; past it, the first few rows
 /// and a min / median / max summary.
 inline constexpr int64_t kMaxStepRows = 8;
 
 /// A table a person reads in a terminal.
-std::string to_text(const AuditReport& report);
+TRAINMEM_API std::string to_text(const AuditReport& report);
 
 /// One JSON document (schema "trainmem/1"); `indent` < 0 prints one line.
-std::string to_json(const AuditReport& report, int indent = 2);
+TRAINMEM_API std::string to_json(const AuditReport& report, int indent = 2);
 
 /// Reads a document written by to_json(). Throws c10::Error naming what is
 /// wrong (not JSON, another schema, a missing or mistyped key).
-AuditReport report_from_json(const std::string& json);
+TRAINMEM_API AuditReport report_from_json(const std::string& json);
 
 /// A self-contained HTML page: a Content-Security-Policy that forbids every
 /// fetch, an inline SVG stacked-area plot of live bytes by category with
 /// phase bands, the buckets, the steps and the top saved-tensor producers.
-std::string to_html(const AuditReport& report);
+TRAINMEM_API std::string to_html(const AuditReport& report);
 
 /// Chrome Trace Event JSON (chrome://tracing, ui.perfetto.dev): one counter
 /// track per category (bytes) and one slice per phase.
-std::string to_chrome_trace(const AuditReport& report);
+TRAINMEM_API std::string to_chrome_trace(const AuditReport& report);
 
 /// A memory_viz snapshot of a CPU timeline as a raw pickle: device_traces
 /// with segment_alloc / alloc / free_requested / free_completed /
 /// segment_free actions (each CPU block is its own segment; each entry has a
 /// lowercase `category` key, as PyTorch's profiler snapshots do, and frames
 /// naming category and phase), and one segment per block still live at the end.
-std::string to_memory_viz_pickle(const Timeline& timeline);
+TRAINMEM_API std::string to_memory_viz_pickle(const Timeline& timeline);
 
 } // namespace trainmem

@@ -28,6 +28,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include "trainmem/export.h"
 #include "trainmem/checkpoint.h"
 
 namespace trainmem {
@@ -78,7 +79,7 @@ struct SelectiveOpCounts {
 };
 
 /// Per-op counts, filled by the regions that share it. Thread-safe.
-class SelectiveCheckpointStats {
+class TRAINMEM_API SelectiveCheckpointStats {
  public:
   /// Counts of `op` ("aten::mm.default"); zeros if never seen.
   SelectiveOpCounts op(const std::string& full_name) const;
@@ -99,19 +100,19 @@ class SelectiveCheckpointStats {
 /// cache, freed with the region's saved tensors. A cached output modified in
 /// place before the recompute is an error. Outputs of view and in-place ops
 /// are never cached (they alias their inputs): they always recompute.
-ContextFn create_selective_checkpoint_contexts(
+TRAINMEM_API ContextFn create_selective_checkpoint_contexts(
     SelectivePolicy policy,
     std::shared_ptr<SelectiveCheckpointStats> stats = nullptr);
 
 /// Saves the outputs of matrix multiplies (aten::mm, addmm, bmm, baddbmm) and
 /// recomputes everything else: Megatron-style, the expensive FLOPs are kept.
-SelectivePolicy save_matmuls_policy();
+TRAINMEM_API SelectivePolicy save_matmuls_policy();
 
 /// Saves the outputs of the named ops ("aten::mm" for every overload, or
 /// "aten::mm.default" for one) and recomputes the rest.
-SelectivePolicy save_ops_policy(std::vector<std::string> op_names);
+TRAINMEM_API SelectivePolicy save_ops_policy(std::vector<std::string> op_names);
 
 /// "must_save", "prefer_recompute", ...
-std::string to_string(CheckpointPolicy policy);
+TRAINMEM_API std::string to_string(CheckpointPolicy policy);
 
 } // namespace trainmem

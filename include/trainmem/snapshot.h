@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "trainmem/export.h"
 #include "trainmem/cuda_allocator_model.h"
 
 namespace trainmem {
@@ -68,7 +69,7 @@ struct SnapshotSegment {
 };
 
 /// A whole snapshot file, as plain data.
-struct Snapshot {
+struct TRAINMEM_API Snapshot {
   std::vector<SnapshotSegment> segments;
   std::vector<TraceEntry> traces;  ///< device 0's trace (the first non-empty one)
   /// The distinct stacks of the trace, each the Python frames first, then
@@ -90,11 +91,11 @@ inline constexpr int kSnapshotFrames = 4;
 /// c10::Error naming the problem and its byte offset for a truncated,
 /// corrupted, too deeply nested or non-snapshot input; memory stays bounded
 /// by the input's size.
-Snapshot parse_snapshot(const std::string& bytes);
+TRAINMEM_API Snapshot parse_snapshot(const std::string& bytes);
 
 /// Reads and parses the file at `path` (at most 4 GiB). Throws c10::Error
 /// naming the path.
-Snapshot read_snapshot(const std::string& path);
+TRAINMEM_API Snapshot read_snapshot(const std::string& path);
 
 /// Figures of one run, recorded or modelled. All in bytes.
 struct SnapshotFigures {
@@ -139,7 +140,7 @@ struct LiveByFrame {
 
 /// Where an allocation was made, in one line: the first frame with a line
 /// number ("model.py:22 forward"), else the first frame's name.
-std::string frame_label(const std::vector<SnapshotFrame>& frames);
+TRAINMEM_API std::string frame_label(const std::vector<SnapshotFrame>& frames);
 
 /// What replay_snapshot() finds.
 struct SnapshotReplay {
@@ -172,7 +173,7 @@ struct SnapshotReplay {
 /// cudaMalloc its address. Then every alloc and free_completed goes to the
 /// model, and its cudaMalloc/cudaFree calls and block addresses are compared
 /// event by event with the recording.
-SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& config = {});
+TRAINMEM_API SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& config = {});
 
 /// One row of what_if_snapshot().
 struct SnapshotWhatIf {
@@ -189,7 +190,7 @@ struct SnapshotWhatIf {
 /// of `device_bytes` (0: unlimited). A device size is what makes
 /// `garbage_collection_threshold` act, as a memory fraction does on a GPU,
 /// and what makes a request fail (counted in num_ooms).
-std::vector<SnapshotWhatIf> what_if_snapshot(const Snapshot& snap, const std::vector<std::string>& confs,
+TRAINMEM_API std::vector<SnapshotWhatIf> what_if_snapshot(const Snapshot& snap, const std::vector<std::string>& confs,
                                              int64_t device_bytes = 0);
 
 } // namespace trainmem

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "trainmem/export.h"
+
 namespace trainmem {
 
 /// What an allocation holds. Values are stable (they index arrays).
@@ -43,7 +45,7 @@ inline constexpr int kNumCategories = 10;
 /// PyTorch's spelling: "PARAMETER", ..., "unknown"; and "before the audit",
 /// "COMMUNICATION", "BUFFER" (PyTorch's memory tracker has no such
 /// categories: it counts buffers with nothing, we name them).
-const char* category_name(Category category);
+TRAINMEM_API const char* category_name(Category category);
 
 /// Part of a training step.
 enum class Phase : uint8_t {
@@ -54,7 +56,7 @@ enum class Phase : uint8_t {
 inline constexpr int kNumPhases = 3;
 
 /// "forward", "backward", "optimizer step".
-const char* phase_name(Phase phase);
+TRAINMEM_API const char* phase_name(Phase phase);
 
 /// Bytes per category, indexed by static_cast<int>(Category).
 using CategoryBytes = std::array<int64_t, kNumCategories>;
@@ -83,7 +85,7 @@ struct PhaseSpan {
 };
 
 /// "optimizer step (D)": the phase's name, with the span's name if any.
-std::string span_label(const PhaseSpan& span);
+TRAINMEM_API std::string span_label(const PhaseSpan& span);
 
 /// Everything recorded: live bytes by category before the first event, then
 /// every event and the phases.
@@ -96,7 +98,7 @@ struct Timeline {
 };
 
 /// Live bytes by category at one moment.
-struct TimelinePoint {
+struct TRAINMEM_API TimelinePoint {
   int64_t time_ns = 0;
   CategoryBytes bytes{};
   /// Sum over categories, in bytes.
@@ -107,6 +109,6 @@ struct TimelinePoint {
 /// `max_points` > 0 the series is thinned to at most about that many points,
 /// keeping in each stretch the point with the most live bytes, so peaks
 /// survive thinning.
-std::vector<TimelinePoint> live_bytes(const Timeline& timeline, int64_t max_points = 0);
+TRAINMEM_API std::vector<TimelinePoint> live_bytes(const Timeline& timeline, int64_t max_points = 0);
 
 } // namespace trainmem

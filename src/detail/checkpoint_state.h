@@ -9,10 +9,12 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include "trainmem/export.h"
+
 namespace trainmem::detail {
 
 // The CPU generator's state and those of the CUDA devices of `tensors`.
-struct RngState {
+struct TRAINMEM_API RngState {
   at::Tensor cpu;
   std::vector<std::pair<c10::Device, at::Tensor>> devices;
   at::Tensor meta_mirror;  // see mirror_rng_stash_on_meta()
@@ -25,7 +27,7 @@ struct RngState {
 
 // Sets `stashed` (when not null) for the scope, restores the current state
 // after, like torch.random.fork_rng.
-class ForkRng {
+class TRAINMEM_API ForkRng {
  public:
   ForkRng(const RngState* stashed, const std::vector<at::Tensor>& tensors);
   ~ForkRng();
@@ -41,16 +43,16 @@ class ForkRng {
 // bytes: the planner, profiling a checkpointed region on meta, then sees the
 // recompute's CPU generator copy in the meta counter when it is live, not
 // only the stash it adds itself (Note [Checkpoint planner]).
-bool& mirror_rng_fork_on_meta();
+TRAINMEM_API bool& mirror_rng_fork_on_meta();
 
 // While true on this thread, a checkpoint's RNG stash (RngState made in
 // forward, alive until the region's backward is done) also holds a meta
 // tensor of its bytes: predict_step_peak then counts, on meta, the CPU
 // generator states a real CPU run keeps (5,056 B per checkpointed region
 // with LibTorch's mt19937 CPU generator).
-bool& mirror_rng_stash_on_meta();
+TRAINMEM_API bool& mirror_rng_stash_on_meta();
 
-struct AutocastState {
+struct TRAINMEM_API AutocastState {
   struct Entry {
     c10::DeviceType type;
     bool enabled;
@@ -63,7 +65,7 @@ struct AutocastState {
 };
 
 // Applies `state` for the scope (thread-local, like autocast itself).
-class AutocastGuard {
+class TRAINMEM_API AutocastGuard {
  public:
   explicit AutocastGuard(const AutocastState& state);
   ~AutocastGuard();

@@ -36,6 +36,9 @@ RANKS = {
 LAYERS = {
     "src/detail/": "detail",
     "src/detail/alloc_recorder.h": "core",
+    # The checkpoint's RNG and autocast state (checkpoint.cpp defines it; the
+    # command's trainers use it too, so it is exported: check_exports.py).
+    "src/detail/checkpoint_state.h": "core",
     "src/detail/backward_on_meta.h": "detail", "src/detail/backward_on_meta.cpp": "detail",
     "src/detail/distributed_json.h": "audit",
     "src/detail/report_json.h": "audit",
@@ -49,6 +52,7 @@ LAYERS = {
     "include/trainmem/allocator.h": "core", "src/allocator.cpp": "core",
     "include/trainmem/device.h": "core", "src/device.cpp": "core",
     "include/trainmem/format.h": "core", "src/format.cpp": "core",
+    "include/trainmem/export.h": "core",  # TRAINMEM_API (Note [Exported symbols])
     "include/trainmem/accountant.h": "core", "src/accountant.cpp": "core",
     "include/trainmem/meta.h": "core", "src/meta.cpp": "core", "src/meta_rnn.cpp": "core",
     "src/detail/cpu_probe.h": "core",

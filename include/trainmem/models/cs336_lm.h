@@ -42,6 +42,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 
+#include "trainmem/export.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/planner.h"
 
@@ -60,7 +61,7 @@ struct Cs336Options {
 };
 
 /// Linear without bias: weight (d_out, d_in), `einsum("...i,oi->...o")`.
-class Cs336LinearImpl : public torch::nn::Cloneable<Cs336LinearImpl> {
+class TRAINMEM_API Cs336LinearImpl : public torch::nn::Cloneable<Cs336LinearImpl> {
  public:
   Cs336LinearImpl(int64_t d_in, int64_t d_out);
   void reset() override;
@@ -72,7 +73,7 @@ class Cs336LinearImpl : public torch::nn::Cloneable<Cs336LinearImpl> {
 TORCH_MODULE(Cs336Linear);
 
 /// Embedding: `weight[token_ids]` (an index, not index_select).
-class Cs336EmbeddingImpl : public torch::nn::Cloneable<Cs336EmbeddingImpl> {
+class TRAINMEM_API Cs336EmbeddingImpl : public torch::nn::Cloneable<Cs336EmbeddingImpl> {
  public:
   Cs336EmbeddingImpl(int64_t vocab_size, int64_t d_model);
   void reset() override;
@@ -86,7 +87,7 @@ TORCH_MODULE(Cs336Embedding);
 /// RMSNorm: `x` upcast to float32, `norm = ||x||_2` over the last dim
 /// (keepdim), `rms = sqrt(norm^2 / d + eps)`, `einsum("d,...d->...d", weight,
 /// x / rms)`, cast back to the input's dtype.
-class Cs336RMSNormImpl : public torch::nn::Cloneable<Cs336RMSNormImpl> {
+class TRAINMEM_API Cs336RMSNormImpl : public torch::nn::Cloneable<Cs336RMSNormImpl> {
  public:
   Cs336RMSNormImpl(int64_t d_model, double eps);
   void reset() override;
@@ -102,7 +103,7 @@ TORCH_MODULE(Cs336RMSNorm);
 /// forward(x (..., T, d_k), positions (B, T)): `cos = table[0][positions]`,
 /// `sin = table[1][positions]`, `out = zeros_like(x)`, then
 /// `out[..., 0::2] = x1 * cos - x2 * sin` and `out[..., 1::2] = x1 * sin + x2 * cos`.
-class Cs336RopeImpl : public torch::nn::Cloneable<Cs336RopeImpl> {
+class TRAINMEM_API Cs336RopeImpl : public torch::nn::Cloneable<Cs336RopeImpl> {
  public:
   Cs336RopeImpl(double theta, int64_t d_k, int64_t context_length);
   void reset() override;
@@ -117,7 +118,7 @@ TORCH_MODULE(Cs336Rope);
 /// Causal multi-head self-attention: q, k, v projections, heads split by
 /// views, RoPE on q and k, causal mask, cs336_attention, heads merged (a
 /// copy), output projection.
-class Cs336AttentionImpl : public torch::nn::Cloneable<Cs336AttentionImpl> {
+class TRAINMEM_API Cs336AttentionImpl : public torch::nn::Cloneable<Cs336AttentionImpl> {
  public:
   explicit Cs336AttentionImpl(const Cs336Options& o);
   void reset() override;
@@ -130,7 +131,7 @@ class Cs336AttentionImpl : public torch::nn::Cloneable<Cs336AttentionImpl> {
 TORCH_MODULE(Cs336Attention);
 
 /// SwiGLU: `a = w1(x)`, `b = w3(x)`, `w2((a * sigmoid(a)) * b)`.
-class Cs336SwiGLUImpl : public torch::nn::Cloneable<Cs336SwiGLUImpl> {
+class TRAINMEM_API Cs336SwiGLUImpl : public torch::nn::Cloneable<Cs336SwiGLUImpl> {
  public:
   Cs336SwiGLUImpl(int64_t d_model, int64_t d_ff);
   void reset() override;
@@ -144,7 +145,7 @@ TORCH_MODULE(Cs336SwiGLU);
 /// Pre-norm block: `h = ln1(x); h = attn(h); x = x + h; h = ln2(x); h =
 /// ffn(h); x + h` (one local `h`, so each sublayer's input dies when the next
 /// is assigned, unless autograd saved it).
-class Cs336BlockImpl : public torch::nn::Cloneable<Cs336BlockImpl> {
+class TRAINMEM_API Cs336BlockImpl : public torch::nn::Cloneable<Cs336BlockImpl> {
  public:
   explicit Cs336BlockImpl(const Cs336Options& o);
   void reset() override;
@@ -161,7 +162,7 @@ TORCH_MODULE(Cs336Block);
 /// The language model: embedding, blocks, final RMSNorm, LM head (untied).
 /// Parameters in the run's order: token_embeddings, per layer ln1, q, k, v,
 /// output projections, ln2, w1, w2, w3, then ln_final and lm_head.
-class Cs336TransformerLMImpl : public torch::nn::Cloneable<Cs336TransformerLMImpl> {
+class TRAINMEM_API Cs336TransformerLMImpl : public torch::nn::Cloneable<Cs336TransformerLMImpl> {
  public:
   explicit Cs336TransformerLMImpl(const Cs336Options& o = {});
   void reset() override;
@@ -178,20 +179,20 @@ class Cs336TransformerLMImpl : public torch::nn::Cloneable<Cs336TransformerLMImp
 TORCH_MODULE(Cs336TransformerLM);
 
 /// Softmax over `dim`: `exp(x - max) / sum`.
-at::Tensor cs336_softmax(const at::Tensor& x, int64_t dim);
+TRAINMEM_API at::Tensor cs336_softmax(const at::Tensor& x, int64_t dim);
 
 /// Scaled dot-product attention: `einsum(q, k)`, divided by sqrt(d_k),
 /// `masked_fill(mask == 0, -inf)` (mask (T, T) bool, true where allowed,
 /// compared at the scores' shape), cs336_softmax, `einsum(p, v)`.
-at::Tensor cs336_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask);
+TRAINMEM_API at::Tensor cs336_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask);
 
 /// Mean cross-entropy of logits (B, T, V) against targets (B, T):
 /// `shifted = logits - max`, `log(sum(exp(shifted))) - shifted[i, target_i]`, mean.
-at::Tensor cs336_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
+TRAINMEM_API at::Tensor cs336_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 
 /// The run's AdamW hyper-parameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8,
 /// weight decay 0.01).
-struct Cs336AdamWOptions : public torch::optim::OptimizerCloneableOptions<Cs336AdamWOptions> {
+struct TRAINMEM_API Cs336AdamWOptions : public torch::optim::OptimizerCloneableOptions<Cs336AdamWOptions> {
   Cs336AdamWOptions(double lr = 1e-4) : lr_(lr) {}  // NOLINT(google-explicit-constructor): as AdamWOptions
   TORCH_ARG(double, lr) = 1e-4;
   TORCH_ARG(double, beta1) = 0.9;
@@ -203,7 +204,7 @@ struct Cs336AdamWOptions : public torch::optim::OptimizerCloneableOptions<Cs336A
 };
 
 /// Its per-parameter state: step, m, v.
-struct Cs336AdamWParamState : public torch::optim::OptimizerCloneableParamState<Cs336AdamWParamState> {
+struct TRAINMEM_API Cs336AdamWParamState : public torch::optim::OptimizerCloneableParamState<Cs336AdamWParamState> {
   TORCH_ARG(int64_t, step) = 0;
   TORCH_ARG(at::Tensor, m);
   TORCH_ARG(at::Tensor, v);
@@ -216,7 +217,7 @@ struct Cs336AdamWParamState : public torch::optim::OptimizerCloneableParamState<
 /// parameter's replaces it, as the Python loop's local does); in place
 /// `p -= lr_t update` and `p -= lr wd p`. Two temporaries per parameter,
 /// nothing else allocated.
-class Cs336AdamW : public torch::optim::Optimizer {
+class TRAINMEM_API Cs336AdamW : public torch::optim::Optimizer {
  public:
   explicit Cs336AdamW(std::vector<at::Tensor> params, Cs336AdamWOptions defaults = {});
   at::Tensor step(LossClosure closure = nullptr) override;
@@ -228,7 +229,7 @@ class Cs336AdamW : public torch::optim::Optimizer {
 /// (a parameter once, kept in the region's cache until the region ends),
 /// exp, sum, log, pow and the norm in float32. Only the ops this file's model,
 /// loss and optimizer call; regions nest.
-class Cs336Autocast {
+class TRAINMEM_API Cs336Autocast {
  public:
   explicit Cs336Autocast(at::ScalarType dtype = at::kBFloat16);
   ~Cs336Autocast();
@@ -254,7 +255,7 @@ class Cs336Autocast {
 /// auto plan = trainmem::plan_regions_cuda(m, *model, trainmem::PlanOptions().budget_bytes(40LL << 30),
 ///                                         trainmem::CudaBudgetKind::kAllocated);
 /// ```
-RegionModel cs336_region_model(const Cs336TransformerLM& model, int64_t batch_size);
+TRAINMEM_API RegionModel cs336_region_model(const Cs336TransformerLM& model, int64_t batch_size);
 
 /// What a recording covers.
 enum class Cs336Run {
@@ -272,7 +273,7 @@ enum class Cs336Run {
 /// kCublasWorkspaceHopperBytes); its resident, first_step and forward_only
 /// are set here. `autocast`: the run inside `torch.autocast(dtype)` (the
 /// *_mixed recordings: bfloat16), emulated with Cs336Autocast.
-CudaStepPrediction predict_cs336_run(const Cs336Options& model, Cs336Run run, int64_t batch_size = 4,
+TRAINMEM_API CudaStepPrediction predict_cs336_run(const Cs336Options& model, Cs336Run run, int64_t batch_size = 4,
                                      CudaPredictOptions cuda = {},
                                      std::optional<at::ScalarType> autocast = std::nullopt);
 

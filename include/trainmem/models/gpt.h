@@ -24,13 +24,14 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "trainmem/export.h"
 #include "trainmem/meta.h"
 #include "trainmem/models/transformer.h"
 
 namespace trainmem {
 
 /// Shape of a GPT. Defaults are GPT-2 small (124 M).
-struct GPTOptions {
+struct TRAINMEM_API GPTOptions {
   /// GPT-2 small: V 50257, C 1024, d 768, L 12, 12 heads; 124,439,808 params.
   static GPTOptions gpt2_small();
   /// GPT-3 6.7B's shape (Brown et al. 2020, table 2.1): V 50257, C 2048,
@@ -52,11 +53,11 @@ struct GPTOptions {
 };
 
 /// V d + C d + L (12 d^2 + 13 d) + 2 d: the parameter count of a GPTOptions.
-int64_t gpt_num_params(const GPTOptions& options);
+TRAINMEM_API int64_t gpt_num_params(const GPTOptions& options);
 
 /// The model. forward: tokens (B, T) int64 with T <= context_length ->
 /// logits (B, T, V) in the embedding's dtype.
-class GPTImpl : public torch::nn::Cloneable<GPTImpl>, public Reinitializable {
+class TRAINMEM_API GPTImpl : public torch::nn::Cloneable<GPTImpl>, public Reinitializable {
  public:
   explicit GPTImpl(GPTOptions options = {});
   /// Builds the submodules and initializes them (reset_parameters()).

@@ -40,6 +40,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "trainmem/export.h"
 #include "trainmem/models/gpt.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
@@ -61,12 +62,12 @@ enum class HfArchitecture {
 };
 
 /// "gpt2", "llama", "mistral", "qwen2", "qwen3".
-std::string to_string(HfArchitecture architecture);
+TRAINMEM_API std::string to_string(HfArchitecture architecture);
 
 /// transformers' class of the architecture: "GPT2LMHeadModel",
 /// "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 /// "Qwen3ForCausalLM".
-std::string hf_class_name(HfArchitecture architecture);
+TRAINMEM_API std::string hf_class_name(HfArchitecture architecture);
 
 /// What a config.json says about the model's shape, with Hugging Face's
 /// defaults for the optional keys. Plain data.
@@ -106,11 +107,11 @@ struct HfConfig {
 /// are optional with Hugging Face's defaults; keys this model does not
 /// change the shape for (dropout, initializer_range, torch_dtype...) are
 /// ignored.
-HfConfig parse_hf_config(const std::string& json_text, const std::string& source = "config.json");
+TRAINMEM_API HfConfig parse_hf_config(const std::string& json_text, const std::string& source = "config.json");
 
 /// Reads and parses the config.json at `path`. Throws if it cannot be read
 /// (naming the path) or as parse_hf_config().
-HfConfig load_hf_config(const std::string& path);
+TRAINMEM_API HfConfig load_hf_config(const std::string& path);
 
 /// The parameter count by formula (unique elements; a tied head counts once).
 /// GPT-2: V d + C d + L (4 d^2 + 2 d I + 9 d + I) + 2 d (I = 4 d: L (12 d^2
@@ -118,7 +119,7 @@ HfConfig load_hf_config(const std::string& path);
 /// (H + 2 KV) hd + H hd d [attention] + 3 d I [SwiGLU] + 2 d [norms] + biases)
 /// + d [final norm] + V d [head, unless tied]: 6,738,415,616 for LLaMA-2-7B;
 /// Qwen2 adds (H + 2 KV) hd q, k, v biases per layer, Qwen3 2 hd q, k norms.
-int64_t hf_num_params(const HfConfig& config);
+TRAINMEM_API int64_t hf_num_params(const HfConfig& config);
 
 /// Shape of a LLaMA-family model (see HfConfig for the keys).
 struct LlamaOptions {
@@ -157,7 +158,7 @@ struct Gpt2Options {
 /// transformers' Conv1D: a linear layer with its weight transposed, (nx, nf),
 /// and a bias (nf), computed as addmm(bias, x.view(-1, nx), weight).
 /// forward: (..., nx) -> (..., nf).
-class Conv1DImpl : public torch::nn::Cloneable<Conv1DImpl>, public Reinitializable {
+class TRAINMEM_API Conv1DImpl : public torch::nn::Cloneable<Conv1DImpl>, public Reinitializable {
  public:
   explicit Conv1DImpl(int64_t nf = 1, int64_t nx = 1);
   void reset() override;
@@ -172,7 +173,7 @@ TORCH_MODULE(Conv1D);
 
 /// GPT2Attention: c_attn (d -> 3 d), split into q, k, v heads, causal SDPA
 /// (scale hd^-1/2), c_proj. forward: (B, T, d) -> (B, T, d).
-class Gpt2AttentionImpl : public torch::nn::Cloneable<Gpt2AttentionImpl> {
+class TRAINMEM_API Gpt2AttentionImpl : public torch::nn::Cloneable<Gpt2AttentionImpl> {
  public:
   explicit Gpt2AttentionImpl(Gpt2Options options = {});
   void reset() override;
@@ -183,7 +184,7 @@ class Gpt2AttentionImpl : public torch::nn::Cloneable<Gpt2AttentionImpl> {
 TORCH_MODULE(Gpt2Attention);
 
 /// GPT2MLP: c_fc (d -> I), the activation, c_proj (I -> d).
-class Gpt2MLPImpl : public torch::nn::Cloneable<Gpt2MLPImpl> {
+class TRAINMEM_API Gpt2MLPImpl : public torch::nn::Cloneable<Gpt2MLPImpl> {
  public:
   explicit Gpt2MLPImpl(Gpt2Options options = {});
   void reset() override;
@@ -195,7 +196,7 @@ TORCH_MODULE(Gpt2MLP);
 
 /// GPT2Block: x + attn(ln_1(x)), then h + mlp(ln_2(h)). forward: (B, T, d)
 /// -> (B, T, d).
-class Gpt2BlockImpl : public torch::nn::Cloneable<Gpt2BlockImpl> {
+class TRAINMEM_API Gpt2BlockImpl : public torch::nn::Cloneable<Gpt2BlockImpl> {
  public:
   explicit Gpt2BlockImpl(Gpt2Options options = {});
   void reset() override;
@@ -211,7 +212,7 @@ TORCH_MODULE(Gpt2Block);
 /// head tied to wte. Parameter names are transformers' without its
 /// "transformer." prefix. forward: tokens (B, T) int64, T <= max_positions
 /// -> logits (B, T, V).
-class Gpt2Impl : public torch::nn::Cloneable<Gpt2Impl>, public Reinitializable {
+class TRAINMEM_API Gpt2Impl : public torch::nn::Cloneable<Gpt2Impl>, public Reinitializable {
  public:
   explicit Gpt2Impl(Gpt2Options options = {});
   void reset() override;
@@ -238,7 +239,7 @@ TORCH_MODULE(Gpt2);
 /// Root-mean-square LayerNorm as Hugging Face's LlamaRMSNorm computes it:
 /// w * x * rsqrt(mean(x^2, -1) + eps) (the statistics in fp32). forward:
 /// (..., d) -> (..., d).
-class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public Reinitializable {
+class TRAINMEM_API RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public Reinitializable {
  public:
   explicit RMSNormImpl(int64_t dim = 1, double eps = 1e-6);
   void reset() override;
@@ -260,7 +261,7 @@ TORCH_MODULE(RMSNorm);
 /// heads first (repeat_kv's copy). A sliding window (Mistral) takes a mask
 /// once the sequence reaches it (T >= window): then no enable_gqa and
 /// no is_causal. forward: x (B, T, d), cos and sin (T, head_dim) -> (B, T, d).
-class LlamaBlockImpl : public torch::nn::Cloneable<LlamaBlockImpl> {
+class TRAINMEM_API LlamaBlockImpl : public torch::nn::Cloneable<LlamaBlockImpl> {
  public:
   explicit LlamaBlockImpl(LlamaOptions options = {});
   void reset() override;
@@ -276,7 +277,7 @@ TORCH_MODULE(LlamaBlock);
 /// A LLaMA causal LM: embedding, L blocks, final RMSNorm, LM head (tied to
 /// the embedding when `tie_word_embeddings`). forward: tokens (B, T) int64,
 /// T <= max_positions -> logits (B, T, V).
-class LlamaImpl : public torch::nn::Cloneable<LlamaImpl>, public Reinitializable {
+class TRAINMEM_API LlamaImpl : public torch::nn::Cloneable<LlamaImpl>, public Reinitializable {
  public:
   explicit LlamaImpl(LlamaOptions options = {});
   void reset() override;
@@ -301,18 +302,18 @@ TORCH_MODULE(Llama);
 
 /// The LlamaOptions of a LLaMA-family config (llama, mistral, qwen2, qwen3).
 /// Throws if `config` is GPT-2.
-LlamaOptions llama_options(const HfConfig& config);
+TRAINMEM_API LlamaOptions llama_options(const HfConfig& config);
 /// The Gpt2Options of a GPT-2 config. Throws if `config` is not one.
-Gpt2Options gpt2_options(const HfConfig& config);
+TRAINMEM_API Gpt2Options gpt2_options(const HfConfig& config);
 /// The GPTOptions (gpt.h) of a GPT-2 config's shape, for trainmem's own GPT
 /// (which build_hf_model no longer uses: its MLP and attention save less
 /// than transformers' GPT-2). Throws if `config` is not GPT-2 or its MLP is
 /// not 4 d.
-GPTOptions gpt_options(const HfConfig& config);
+TRAINMEM_API GPTOptions gpt_options(const HfConfig& config);
 
 /// A causal LM built from a config: the module (Gpt2Impl or LlamaImpl) and
 /// its forward and loss.
-struct HfModel {
+struct TRAINMEM_API HfModel {
   HfConfig config;
   std::shared_ptr<torch::nn::Module> module;
   /// Logits (B, T, V) of tokens (B, T) int64.
@@ -337,7 +338,7 @@ struct HfModel {
 /// auto model = trainmem::build_hf_model(trainmem::load_hf_config("tiny_llama.json"));
 /// model.loss(torch::randint(256, {4, 32})).backward();
 /// ```
-HfModel build_hf_model(const HfConfig& config);
+TRAINMEM_API HfModel build_hf_model(const HfConfig& config);
 
 /// `model`'s training step as plan_regions() sees it: the embedding (GPT-2:
 /// token + position), one region per block ("h.i": Gpt2Block; "layers.i":
@@ -356,6 +357,6 @@ HfModel build_hf_model(const HfConfig& config);
 /// m.make_optimizer = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::AdamW>(p); };
 /// auto plan = trainmem::plan_regions(m, trainmem::PlanOptions().budget_bytes(8 << 20));
 /// ```
-RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len);
+TRAINMEM_API RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len);
 
 } // namespace trainmem

@@ -25,6 +25,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "trainmem/export.h"
 #include "trainmem/block_checkpointing.h"
 #include "trainmem/checkpoint.h"
 #include "trainmem/meter.h"
@@ -42,7 +43,7 @@ struct TransformerOptions {
 };
 
 /// One pre-LN block. forward: (B, T, d) -> (B, T, d).
-class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
+class TRAINMEM_API TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
  public:
   explicit TransformerBlockImpl(int64_t d_model = 128, int64_t num_heads = 4);
   void reset() override;
@@ -56,7 +57,7 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
 TORCH_MODULE(TransformerBlock);
 
 /// The stack of blocks. forward: (B, T, d) -> (B, T, d).
-class TransformerImpl : public torch::nn::Cloneable<TransformerImpl> {
+class TRAINMEM_API TransformerImpl : public torch::nn::Cloneable<TransformerImpl> {
  public:
   explicit TransformerImpl(TransformerOptions options = {});
   void reset() override;
@@ -73,13 +74,13 @@ class TransformerImpl : public torch::nn::Cloneable<TransformerImpl> {
 TORCH_MODULE(Transformer);
 
 /// L * (12 d^2 + 13 d): the parameter count of a TransformerOptions.
-int64_t transformer_num_params(const TransformerOptions& options);
+TRAINMEM_API int64_t transformer_num_params(const TransformerOptions& options);
 
 /// The seed's first-order activation estimate for this block in fp32 with
 /// SDPA and no dropout: 16 saved elements per token and channel, i.e.
 /// 64 * T * B * d bytes per layer (Korthikanti et al.'s 34 in fp16 with
 /// dropout, less the masks and the attention term, at 4-byte elements).
-int64_t predicted_activation_bytes(const TransformerOptions& options);
+TRAINMEM_API int64_t predicted_activation_bytes(const TransformerOptions& options);
 
 /// One term of the exact saved-activation count of the reference transformer.
 struct ActivationTerm {
@@ -96,6 +97,6 @@ struct ActivationEstimate {
   std::vector<ActivationTerm> terms;
   int64_t total_bytes = 0; ///< sum of the terms, in bytes
 };
-ActivationEstimate estimate_activation_bytes(const TransformerOptions& options);
+TRAINMEM_API ActivationEstimate estimate_activation_bytes(const TransformerOptions& options);
 
 } // namespace trainmem

@@ -19,6 +19,7 @@
 
 #include <torch/arg.h>
 
+#include "trainmem/export.h"
 #include "trainmem/block_checkpointing.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/models/transformer.h"
@@ -70,7 +71,7 @@ struct AnalyticActivations {
 /// 64 s b h at e = 4, no dropout, fused attention (50,331,648 B for the
 /// capstone). Not counted (see estimate_activation_bytes for the exact count):
 /// LayerNorm's mean and rstd, fused attention's log-sum-exp, the loss.
-AnalyticActivations analytic_activation_bytes(
+TRAINMEM_API AnalyticActivations analytic_activation_bytes(
     const TransformerOptions& model,
     const AnalyticActivationOptions& options = {});
 
@@ -97,7 +98,7 @@ AnalyticActivations analytic_activation_bytes(
 /// `adamw`: the step includes an AdamW step (its state, 8 B per parameter,
 /// is live all step, and its transients count). plan_regions() over the
 /// model's blocks, each region named "block".
-CheckpointPlan plan_checkpointing(const TransformerOptions& model, const PlanOptions& options = {},
+TRAINMEM_API CheckpointPlan plan_checkpointing(const TransformerOptions& model, const PlanOptions& options = {},
                                   bool adamw = true);
 
 /// The reference Transformer's training step on CUDA (forward with
@@ -110,7 +111,7 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& model, const PlanOpt
 ///                                                  trainmem::BlockCheckpointing::named(6, "full"));
 /// p.max_memory_allocated_bytes;
 /// ```
-CudaStepPrediction predict_cuda_transformer_step(
+TRAINMEM_API CudaStepPrediction predict_cuda_transformer_step(
     const TransformerOptions& model,
     const BlockCheckpointing& checkpointing,
     bool adamw = true,
@@ -128,7 +129,7 @@ CudaStepPrediction predict_cuda_transformer_step(
 /// auto p = trainmem::plan_checkpointing_cuda(o, trainmem::PlanOptions().budget_bytes(64 << 20),
 ///                                            trainmem::CudaBudgetKind::kReserved);
 /// ```
-CudaCheckpointPlan plan_checkpointing_cuda(
+TRAINMEM_API CudaCheckpointPlan plan_checkpointing_cuda(
     const TransformerOptions& model,
     const PlanOptions& options,
     CudaBudgetKind kind,
