@@ -20,7 +20,7 @@
 //     library into a shared library of their own and wants none of it
 //     exported from there links with -Wl,--exclude-libs,libtrainmem.a.
 //   - Windows: __declspec(dllexport) while building the library
-//     (TRAINMEM_BUILDING, set PRIVATE on the library's own targets),
+//     (TRAINMEM_BUILDING, set PRIVATE on the library's own targets on Windows),
 //     __declspec(dllimport) for its users; in a static build TRAINMEM_STATIC
 //     (which trainmem's CMake target passes on to its users, and trainmem.pc's
 //     Cflags carry) makes it empty, as there is nothing to import.
