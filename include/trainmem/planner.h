@@ -1,25 +1,29 @@
 #pragma once
 /// \file planner.h
-/// Plan before running: how many bytes a training step will need, predicted
-/// three ways, and the cheapest checkpointing that fits a memory budget.
+/// Plan before running: how many bytes a training step of any model will
+/// need, predicted exactly on the meta device, and the cheapest checkpointing
+/// that fits a memory budget.
 ///
-/// - analytic_activation_bytes(): Korthikanti et al.'s per-layer count
-///   (34 s b h + 5 a s^2 b in fp16 with dropout) and the seed's fp32 / SDPA /
-///   no-dropout form (64 T B d bytes), term by term.
 /// - predict_saved_activations(), predict_step_peak(): the forward (and the
 ///   whole step) run on meta tensors, so no data is touched: the exact bytes
 ///   autograd saves, and the step's peak from a counting meta allocator.
-/// - plan_checkpointing(): per-block choices (store, checkpoint, selective
-///   with a per-op knapsack) that meet a budget for the whole step's peak at
-///   the least recompute; the result is a BlockCheckpointing that
-///   Transformer::forward takes directly.
+/// - plan_regions(): per-region choices (store, checkpoint, selective with a
+///   per-op knapsack, segments of several regions) that meet a budget for the
+///   whole step's peak at the least recompute, for any model given as a
+///   sequence of regions; the result's checkpointing() is what run_regions()
+///   (and the reference Transformer::forward) take.
+/// The reference transformer's adapters (analytic count, plan_checkpointing())
+/// are in trainmem/models/transformer_plan.h.
 ///
 /// Example:
 /// ```
-/// trainmem::TransformerOptions o;                        // the capstone
-/// auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(40 << 20));
-/// std::cout << trainmem::to_string(plan);                // blocks, peak, recompute FLOPs
-/// auto y = model->forward(x, plan.checkpointing());
+/// trainmem::RegionModel m;
+/// m.regions = trainmem::regions_of(net);                 // a torch::nn::Sequential
+/// m.input = [](c10::Device d) { return at::empty({8, 3, 32, 32}, at::TensorOptions().device(d)); };
+/// m.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
+/// auto plan = trainmem::plan_regions(m, trainmem::PlanOptions().budget_bytes(40 << 20));
+/// std::cout << trainmem::to_string(plan);                // regions, peak, recompute FLOPs
+/// auto y = trainmem::run_regions(m.regions, x, plan);
 /// ```
 
 #include <concepts>
@@ -36,11 +40,11 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "trainmem/block_checkpointing.h"
 #include "trainmem/export.h"
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
 #include "trainmem/timeline.h"
-#include "trainmem/block_checkpointing.h"
 
 namespace torch::nn {
 class Module;
