@@ -665,10 +665,10 @@ const char* to_string(CudaBudgetKind kind) {
 
 namespace {
 
-// Plans for the planner budget b, predicts the plan's CUDA step, lowers b by
-// the excess: the loop of plan_regions_cuda (and so of plan_checkpointing_cuda).
-CudaCheckpointPlan plan_for_cuda(const PlanOptions& options, CudaBudgetKind kind,
-                                 const std::function<CheckpointPlan(const PlanOptions&)>& plan,
+// Plans `model` for the planner budget b, predicts the plan's CUDA step,
+// lowers b by the excess: the loop of plan_regions_cuda (and so of
+// plan_checkpointing_cuda).
+CudaCheckpointPlan plan_for_cuda(const RegionModel& model, const PlanOptions& options, CudaBudgetKind kind,
                                  const std::function<CudaStepPrediction(const CheckpointPlan&)>& predict) {
   CudaCheckpointPlan r;
   r.kind = kind;
@@ -677,7 +677,7 @@ CudaCheckpointPlan plan_for_cuda(const PlanOptions& options, CudaBudgetKind kind
   for (int round = 0; round < 8 && b > 0; ++round) {
     r.num_rounds = round + 1;
     r.planner_budget_bytes = b;
-    r.plan = plan(PlanOptions(options).budget_bytes(b));
+    r.plan = plan_regions(model, PlanOptions(options).budget_bytes(b));
     r.cuda = predict(r.plan);
     const int64_t peak = kind == CudaBudgetKind::kAllocated ? r.cuda.max_memory_allocated_bytes
                                                             : r.cuda.max_memory_reserved_bytes;
@@ -727,7 +727,7 @@ CudaCheckpointPlan plan_regions_cuda(
     detail::OptimizerStateAside aside(*model.optimizer);
     return predict_cuda_step_peak(module, loss, model.optimizer, cuda);
   };
-  return plan_for_cuda(options, kind, [&](const PlanOptions& o) { return plan_regions(model, o); }, predict);
+  return plan_for_cuda(model, options, kind, predict);
 }
 
 } // namespace trainmem
