@@ -7,6 +7,7 @@
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
@@ -63,14 +64,36 @@ RngState RngState::capture(const std::vector<at::Tensor>& tensors) {
   return s;
 }
 
+// Note [Checkpoint RNG copies] in checkpoint_state.h.
+namespace {
+thread_local RngCopyObserver* t_rng_copy_observer = nullptr;
+} // namespace
+
+RngCopyObserver::~RngCopyObserver() = default;
+
+RngCopyObserverGuard::RngCopyObserverGuard(RngCopyObserver* observer)
+    : previous_(std::exchange(t_rng_copy_observer, observer)) {}
+
+RngCopyObserverGuard::~RngCopyObserverGuard() {
+  t_rng_copy_observer = previous_;
+}
+
+RngCopyObserver* RngCopyObserverGuard::current() {
+  return t_rng_copy_observer;
+}
+
+int64_t RngState::nbytes() const {
+  int64_t bytes = cpu.defined() ? static_cast<int64_t>(cpu.nbytes()) : 0;
+  for (const auto& [device, state] : devices) {
+    bytes += static_cast<int64_t>(state.nbytes());
+  }
+  return bytes;
+}
+
 RngState RngState::capture_stash(const std::vector<at::Tensor>& tensors) {
   RngState s = capture(tensors);
-  if (mirror_rng_stash_on_meta()) {
-    int64_t bytes = static_cast<int64_t>(s.cpu.nbytes());
-    for (const auto& [device, state] : s.devices) {
-      bytes += static_cast<int64_t>(state.nbytes());
-    }
-    s.meta_mirror = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+  if (auto* observer = RngCopyObserverGuard::current()) {
+    s.observed = observer->hold(RngCopy::kStash, s.nbytes());
   }
   return s;
 }
@@ -94,23 +117,9 @@ ForkRng::ForkRng(const RngState* stashed, const std::vector<at::Tensor>& tensors
   }
   current_ = RngState::capture(tensors);
   stashed->restore();
-  if (mirror_rng_fork_on_meta()) {
-    int64_t bytes = static_cast<int64_t>(current_->cpu.nbytes());
-    for (const auto& [device, state] : current_->devices) {
-      bytes += static_cast<int64_t>(state.nbytes());
-    }
-    meta_mirror_ = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+  if (auto* observer = RngCopyObserverGuard::current()) {
+    observed_ = observer->hold(RngCopy::kFork, current_->nbytes());
   }
-}
-
-bool& mirror_rng_fork_on_meta() {
-  thread_local bool on = false;
-  return on;
-}
-
-bool& mirror_rng_stash_on_meta() {
-  thread_local bool on = false;
-  return on;
 }
 
 ForkRng::~ForkRng() {

@@ -18,9 +18,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
-#include "detail/backward_on_meta.h"
 #include "detail/conv_scratch.h"
 #include "detail/intercept.h"
+#include "detail/meta_allocator.h"
+#include "detail/meta_step.h"
 #include "detail/optimizer_state.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
@@ -30,129 +31,11 @@ namespace trainmem {
 
 namespace {
 
-enum class Kind : uint8_t { kTensor, kWorkspace, kKernelTemporary, kResident, kParameter };
-
-struct TraceEvent {
-  int64_t bytes = 0;  // + requested bytes allocated, - freed
-  uint64_t id = 0;
-  Kind kind = Kind::kTensor;
-};
-
-// Note [Tracing meta allocations]
-// The meta allocator is a process-wide slot (c10::SetAllocator). While a
-// trace records, ours sits in it at priority 1 and wraps the one that was
-// there (the planner's counting meta allocator, or LibTorch's stub), so both
-// see every storage; when recording stops the wrapped one is put back, and
-// storages made meanwhile keep our deleter (it forwards to theirs). The
-// wrapper is never destroyed. One trace at a time (a process-wide mutex).
-class TraceAllocator final : public c10::Allocator {
- public:
-  struct Context {
-    c10::DataPtr inner;
-    uint64_t id;
-    int64_t bytes;
-    uint64_t generation;
-  };
-
-  static TraceAllocator& get() {
-    static auto* a = new TraceAllocator();
-    return *a;
-  }
-
-  void start(std::vector<TraceEvent>* sink) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    inner_ = c10::GetAllocator(c10::DeviceType::Meta);
-    sink_ = sink;
-    generation_ += 1;
-    c10::SetAllocator(c10::DeviceType::Meta, this, /*priority=*/1);
-  }
-  void stop() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    c10::SetAllocator(c10::DeviceType::Meta, inner_, /*priority=*/1);
-    sink_ = nullptr;
-  }
-
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = inner_ != nullptr ? inner_->allocate(n) : c10::DataPtr(nullptr, c10::Device(c10::kMeta));
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (sink_ == nullptr) {
-      return inner;
-    }
-    auto* ctx = new Context{std::move(inner), next_id_++, static_cast<int64_t>(n), generation_};
-    sink_->push_back({ctx->bytes, ctx->id, Kind::kTensor});
-    return {nullptr, ctx, &free_context, c10::Device(c10::kMeta)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {}
-
-  // A synthetic allocation (workspace, kernel temporary) in the trace.
-  uint64_t add(int64_t bytes, Kind kind) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const uint64_t id = next_id_++;
-    if (sink_ != nullptr) {
-      sink_->push_back({bytes, id, kind});
-    }
-    return id;
-  }
-  void remove(uint64_t id, int64_t bytes, Kind kind) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (sink_ != nullptr) {
-      sink_->push_back({-bytes, id, kind});
-    }
-  }
-
-  // Note [Meta storages that grow]
-  // A meta storage grows without the allocator (resize_bytes_meta only sets
-  // its size): an op that makes its output with empty({0}) and resizes it
-  // (arange, the out= ops) would leave the trace with 0 bytes, where CUDA's
-  // resize_bytes_cuda allocates the new size (and frees the old block). A
-  // traced storage now larger than its traced allocation gets a traced
-  // allocation of its size; the old one is freed with it.
-  void trace_growth(const at::Tensor& t) {
-    if (!t.defined() || !t.has_storage() || !t.is_meta()) {
-      return;
-    }
-    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-    const auto& dp = storage->data_ptr();
-    if (dp.get_deleter() != &free_context ||
-        static_cast<int64_t>(storage->nbytes()) <= static_cast<const Context*>(dp.get_context())->bytes) {
-      return;
-    }
-    storage->set_data_ptr_noswap(allocate(storage->nbytes()));
-  }
-
-  // The trace id of a storage allocated while recording, or 0.
-  static uint64_t id_of(const at::Tensor& t) {
-    if (!t.defined() || !t.has_storage()) {
-      return 0;
-    }
-    const auto& dp = t.storage().data_ptr();
-    if (dp.get_deleter() != &free_context) {
-      return 0;
-    }
-    return static_cast<const Context*>(dp.get_context())->id;
-  }
-
- private:
-  TraceAllocator() = default;
-  static void free_context(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    auto& self = get();
-    {
-      std::lock_guard<std::mutex> lock(self.mutex_);
-      if (self.sink_ != nullptr && ctx->generation == self.generation_) {
-        self.sink_->push_back({-ctx->bytes, ctx->id, Kind::kTensor});
-      }
-    }
-    delete ctx;  // the inner DataPtr frees through its own deleter
-  }
-
-  std::mutex mutex_;
-  c10::Allocator* inner_ = nullptr;
-  std::vector<TraceEvent>* sink_ = nullptr;
-  uint64_t next_id_ = 1;
-  uint64_t generation_ = 0;
-};
+// The trace's events and kinds: src/detail/meta_allocator.h (Note [One meta
+// allocator]).
+using Kind = detail::TraceKind;
+using detail::TraceEvent;
+using detail::TraceObserver;
 
 bool is_matrix_operand_ok(int64_t rows, int64_t cols, int64_t s_rows, int64_t s_cols) {
   // prepare_matrix_for_cublas: column-major with ld >= rows, or row-major with ld >= cols.
@@ -187,7 +70,8 @@ namespace {
 // Below autograd (the one interception key, Note [One interception key]) this
 // handler sees each op of a predicted step and adds what the CUDA kernel
 // would allocate beyond its outputs (and the outputs a meta kernel grows
-// without allocating, Note [Meta storages that grow]):
+// without allocating, Note [Meta storages that grow] in
+// src/detail/meta_allocator.cpp):
 // - matmuls (mm, addmm, bmm, baddbmm): a contiguous clone of each operand
 //   cuBLAS cannot read in place (cublas_operand_copy_bytes), freed when the
 //   op returns; the first matmul of a thread makes that thread's cuBLAS
@@ -201,7 +85,8 @@ namespace {
 //   in eager mode (no device bytes).
 class CudaKernelModel final : public detail::InterceptHandler {
  public:
-  CudaKernelModel(const CudaPredictOptions& o, CudaWorkspaces ws) : options_(o), ws_(ws) {}
+  CudaKernelModel(const CudaPredictOptions& o, CudaWorkspaces ws, TraceObserver& trace)
+      : options_(o), ws_(ws), trace_(trace) {}
 
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
@@ -216,14 +101,13 @@ class CudaKernelModel final : public detail::InterceptHandler {
       }
     }
     run(scope, op, ks, stack);
-    auto& trace = TraceAllocator::get();
     for (const auto& t : written) {
-      trace.trace_growth(t);
+      trace_.trace_growth(t);
     }
     const size_t num_returns = std::min(op.schema().returns().size(), stack->size());
     for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
       if ((*stack)[i].isTensor()) {
-        trace.trace_growth((*stack)[i].toTensor());
+        trace_.trace_growth((*stack)[i].toTensor());
       }
     }
   }
@@ -268,7 +152,7 @@ class CudaKernelModel final : public detail::InterceptHandler {
     if (!matmul) {
       return;
     }
-    auto& trace = TraceAllocator::get();
+    auto& trace = trace_;
     std::vector<std::pair<uint64_t, int64_t>> temps;
     for (int64_t bytes : copies) {
       if (bytes > 0) {
@@ -300,7 +184,7 @@ class CudaKernelModel final : public detail::InterceptHandler {
     const bool flash = st == at::kHalf || st == at::kBFloat16;
     const int64_t hd = q.size(3);
     std::vector<std::pair<uint64_t, int64_t>> pads;
-    auto& trace = TraceAllocator::get();
+    auto& trace = trace_;
     if (flash && hd % 8 != 0) {
       // q, k, v padded to a multiple of 8 (alive while the kernel runs).
       const int64_t padded = q.numel() / hd * (hd + 8 - hd % 8) * static_cast<int64_t>(q.element_size());
@@ -329,12 +213,8 @@ class CudaKernelModel final : public detail::InterceptHandler {
 
   CudaPredictOptions options_;
   CudaWorkspaces ws_;
+  TraceObserver& trace_;
 };
-
-std::mutex& cuda_prediction_mutex() {
-  static std::mutex m;
-  return m;
-}
 
 void storages_of(const torch::nn::Module& module, std::vector<at::Tensor>& out) {
   std::unordered_set<const c10::StorageImpl*> seen;
@@ -383,64 +263,43 @@ void check_arguments(const torch::nn::Module& module, const std::function<at::Te
 // gradients alive after it.
 struct StepTrace {
   std::vector<TraceEvent> events;
-  std::vector<StepMarks> marks;
+  StepMarks marks;
   std::unordered_set<uint64_t> grad_ids;
   at::Tensor forward_output;  // forward_only: alive past the trace's end
 };
 
-// One step (or, with an optimizer and not first_step, a warm-up step and
-// then the step) under the trace, the kernels' workspaces and temporaries
-// added by `kernels`.
+// The step (Note [A step twice with an optimizer]: with an optimizer and
+// not first_step, a warm-up step and then the step) with `trace` attached,
+// the kernels' workspaces and temporaries added by `kernels`.
 void trace_steps(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
                  torch::optim::Optimizer* optimizer, const CudaPredictOptions& options,
-                 CudaKernelModel& kernels, StepTrace& t) {
-  auto& events = t.events;
-  auto& trace = TraceAllocator::get();
-  trace.start(&events);
-  try {
+                 CudaKernelModel& kernels, TraceObserver& trace, StepTrace& t) {
+  {
+    detail::MetaObserverScope attached(trace);
     detail::InterceptScope scope(kernels);
-    const bool warm_up = optimizer != nullptr && !options.first_step() && !options.forward_only();
-    for (int step = 0; step < (warm_up ? 2 : 1); ++step) {
-      StepMarks m;
-      for (auto& p : module.parameters()) {
-        p.mutable_grad().reset();  // zero_grad(set_to_none=True)
+    detail::StepOptions o;
+    o.who = "predict_cuda_step_peak";
+    o.first_step = options.first_step();
+    o.forward_only = options.forward_only();
+    StepMarks& m = t.marks;
+    t.forward_output = detail::run_meta_step(module, loss_fn, optimizer, o, [&](int, detail::StepPoint point) {
+      const size_t now = trace.num_events();
+      switch (point) {
+        case detail::StepPoint::kBegin: break;
+        case detail::StepPoint::kForward: m = StepMarks{now, now, now, now}; break;
+        case detail::StepPoint::kBackward: m.backward = now; break;
+        case detail::StepPoint::kOptimizerStep: m.optimizer = now; break;
+        case detail::StepPoint::kEnd: m.end = now; break;
       }
-      m.begin = events.size();
-      at::Tensor loss = loss_fn();
-      if (options.forward_only()) {
-        TORCH_CHECK(loss.defined() && loss.is_meta(),
-                    "predict_cuda_step_peak: loss_fn must return a meta tensor");
-        t.forward_output = std::move(loss);
-        m.backward = m.optimizer = m.end = events.size();
-        t.marks.push_back(m);
-        break;
+    });
+    // Gradients alive after the step: which trace ids they are.
+    for (const auto& p : module.parameters()) {
+      if (const uint64_t id = trace.id_of(p.grad())) {
+        t.grad_ids.insert(id);
       }
-      TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.is_meta(),
-                  "predict_cuda_step_peak: loss_fn must return a scalar meta tensor, but got ",
-                  loss.defined() ? loss.sizes() : at::IntArrayRef{});
-      m.backward = events.size();
-      // Gradients meet as the CUDA engine adds them: in place where it
-      // holds the only reference (Note [Gradient accumulation on meta]).
-      detail::BackwardOnMeta::run(loss);
-      loss = at::Tensor();
-      m.optimizer = events.size();
-      if (optimizer != nullptr) {
-        optimizer->step();
-      }
-      m.end = events.size();
-      t.marks.push_back(m);
-    }
-  } catch (...) {
-    trace.stop();
-    throw;
-  }
-  // Gradients alive after the step: which trace ids they are.
-  for (const auto& p : module.parameters()) {
-    if (const uint64_t id = TraceAllocator::id_of(p.grad())) {
-      t.grad_ids.insert(id);
     }
   }
-  trace.stop();
+  t.events = trace.events();
 }
 
 // The device before the step: resident tensors, then the module's storages,
@@ -552,7 +411,7 @@ class Replay {
 // Terms at the peak. Optimizer state: blocks of the warm-up step still live
 // at the end (with an optimizer; else none).
 void terms_at_peak(const StepTrace& trace, const Replay& replay, CudaStepPrediction& r) {
-  const StepMarks& m = trace.marks.back();
+  const StepMarks& m = trace.marks;
   std::unordered_set<uint64_t> warm;
   for (size_t i = 0; i < m.begin; ++i) {
     if (trace.events[i].bytes > 0) {
@@ -590,26 +449,20 @@ CudaStepPrediction predict_cuda_step_peak(
   check_arguments(module, loss_fn, options);
   enable_cpu_meta_kernels();
   detail::register_intercept_fallback();
-  std::lock_guard<std::mutex> lock(cuda_prediction_mutex());
+  std::lock_guard<std::mutex> lock(detail::prediction_mutex());
   detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
 
-  // Reset gradients first, so the trace owns every gradient the steps make.
-  for (auto& p : module.parameters()) {
-    p.mutable_grad().reset();
-  }
-  if (optimizer != nullptr) {
-    optimizer->zero_grad();
-  }
-  CudaKernelModel kernels(options, options.workspaces());
+  TraceObserver observer;
+  CudaKernelModel kernels(options, options.workspaces(), observer);
   StepTrace trace;
-  trace_steps(module, loss_fn, optimizer, options, kernels, trace);
+  trace_steps(module, loss_fn, optimizer, options, kernels, observer, trace);
 
   Replay replay(options.allocator());
   for (const auto& e : device_before(module, options)) {
     replay.apply(e);
   }
-  const StepMarks& m = trace.marks.back();
+  const StepMarks& m = trace.marks;
   for (size_t i = 0; i < m.begin; ++i) {  // the warm-up step
     replay.apply(trace.events[i]);
   }

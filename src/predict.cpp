@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <unordered_map>
@@ -50,8 +51,9 @@
 #include "trainmem/meta.h"
 #include "trainmem/format.h"
 #include "detail/backward_on_meta.h"
-#include "detail/checkpoint_state.h"
 #include "detail/intercept.h"
+#include "detail/meta_allocator.h"
+#include "detail/meta_step.h"
 #include "detail/optimizer_state.h"
 #include "detail/process_library.h"
 #include "detail/plan_internal.h"
@@ -59,13 +61,16 @@
 namespace trainmem {
 
 using detail::check_on_meta;
-using detail::MetaCounter;
+using detail::CountingObserver;
+using detail::MetaAllocator;
 using detail::prediction_mutex;
+using detail::StepPoint;
 using detail::storage_bytes;
 
 // ---------------------------------------------------------------------------
-// Counting meta allocator: Note [Counting meta allocator] in
-// src/detail/plan_internal.h.
+// The meta allocator and its counting observer: Note [One meta allocator] in
+// src/detail/meta_allocator.h; the step: Note [A step twice with an
+// optimizer] in src/detail/meta_step.h.
 
 // Meta backward runs through detail::BackwardOnMeta: Note [Gradient
 // accumulation on meta] in src/detail/backward_on_meta.cpp.
@@ -139,7 +144,7 @@ class CpuKernelModel final : public detail::InterceptHandler {
 // Counts each parameter's gradient once, when AccumulateGrad has written it.
 class GradWatch {
  public:
-  GradWatch(const torch::nn::Module& module, MetaCounter* counter) {
+  GradWatch(const torch::nn::Module& module, CountingObserver* counter) {
     for (const auto& p : module.parameters(/*recurse=*/true)) {
       if (!p.requires_grad()) {
         continue;
@@ -163,7 +168,7 @@ class GradWatch {
 
  private:
   struct Hook final : torch::autograd::FunctionPostHook {
-    Hook(at::Tensor p, MetaCounter* c) : param(std::move(p)), counter(c) {}
+    Hook(at::Tensor p, CountingObserver* c) : param(std::move(p)), counter(c) {}
     torch::autograd::variable_list operator()(
         const torch::autograd::variable_list& outputs,
         const torch::autograd::variable_list& /*inputs*/) override {
@@ -176,7 +181,7 @@ class GradWatch {
       return outputs;
     }
     at::Tensor param;
-    MetaCounter* counter;
+    CountingObserver* counter;
     bool counted = false;
   };
   // shared_ptr<Node> before LibTorch 2.13, intrusive_ptr<Node> since.
@@ -187,11 +192,6 @@ class GradWatch {
 } // namespace
 
 namespace detail {
-
-std::mutex& prediction_mutex() {
-  static std::mutex m;
-  return m;
-}
 
 void check_on_meta(const torch::nn::Module& module, const char* who) {
   for (const auto& p : module.named_parameters(/*recurse=*/true)) {
@@ -246,50 +246,96 @@ void set_phase_peak(StepPeak& r) {
                                                   : StepPhase::kOptimizerStep;
 }
 
-// One step: zero_grad (to none), loss_fn() under a meter, backward, step.
-// `live` reads the allocator's live bytes, `reset`/`peak` its peak window.
-template <typename Live, typename Reset, typename Peak, typename Backward>
-StepPeak run_step(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
-                  torch::optim::Optimizer* optimizer, Live live, Reset reset, Peak peak, Backward backward) {
-  for (auto& p : module.parameters()) {
-    p.mutable_grad().reset();
+// The phase peaks of a step (the last one run counts), from its marks
+// (detail::run_steps) and a counter: `live` reads its live bytes,
+// `open_window` starts a peak window at them, `peak` reads the window's
+// peak. The loss is metered (metered()) for the activations saved.
+class PhasePeaks {
+ public:
+  PhasePeaks(torch::nn::Module& module, torch::optim::Optimizer* optimizer, std::function<int64_t()> live,
+             std::function<void()> open_window, std::function<int64_t()> peak)
+      : module_(module), optimizer_(optimizer), live_(std::move(live)), open_window_(std::move(open_window)),
+        peak_(std::move(peak)) {}
+
+  // loss_fn() under this step's meter.
+  at::Tensor metered(const std::function<at::Tensor()>& loss_fn) {
+    SavedTensorMeterGuard scope(*meter_);
+    return loss_fn();
   }
-  if (optimizer != nullptr) {
-    optimizer->zero_grad();
+
+  void mark(StepPoint point) {
+    switch (point) {
+      case StepPoint::kBegin:
+        r_ = StepPeak();
+        break;
+      case StepPoint::kForward:
+        start();
+        break;
+      case StepPoint::kBackward:
+        r_.forward_peak_bytes = static_bytes_ + peak_() - start_;
+        r_.activation_bytes = meter_->report().saved_bytes;
+        open_window_();
+        break;
+      case StepPoint::kOptimizerStep:
+        r_.backward_peak_bytes = static_bytes_ + peak_() - start_;
+        if (optimizer_ != nullptr) {
+          open_window_();
+        }
+        break;
+      case StepPoint::kEnd:
+        if (optimizer_ != nullptr) {
+          r_.optimizer_peak_bytes = static_bytes_ + peak_() - start_;
+        }
+        set_phase_peak(r_);
+        meter_.reset();
+        break;
+    }
   }
-  StepPeak r;
-  const auto buckets = optimizer != nullptr ? account(module, *optimizer) : account(module);
-  r.param_bytes = buckets.param_bytes;
-  r.optimizer_state_bytes = buckets.optimizer_state_bytes;
-  // Buffers (BatchNorm's running statistics) are live all step, as the
-  // parameters are: they count in every phase's peak, as the allocator
-  // counts them, and have their own term in the decomposition.
-  r.buffer_bytes = buckets.buffer_bytes;
-  const int64_t static_bytes = buckets.total_bytes();
-  const int64_t start = live();
-  SavedTensorMeter meter(module);
-  at::Tensor loss;
-  reset();
-  {
-    SavedTensorMeterGuard scope(meter);
-    loss = loss_fn();
+
+  const StepPeak& result() const { return r_; }
+
+ private:
+  // The gradients are none: the static buckets, then the forward's window.
+  void start() {
+    const auto buckets = optimizer_ != nullptr ? account(module_, *optimizer_) : account(module_);
+    r_.param_bytes = buckets.param_bytes;
+    r_.optimizer_state_bytes = buckets.optimizer_state_bytes;
+    // Buffers (BatchNorm's running statistics) are live all step, as the
+    // parameters are: they count in every phase's peak, as the allocator
+    // counts them, and have their own term in the decomposition.
+    r_.buffer_bytes = buckets.buffer_bytes;
+    static_bytes_ = buckets.total_bytes();
+    start_ = live_();
+    meter_.emplace(module_);
+    open_window_();
   }
-  TORCH_CHECK(loss.defined() && loss.numel() == 1,
-              "step peak: loss_fn must return a scalar, but got a tensor of shape ",
-              loss.defined() ? loss.sizes() : at::IntArrayRef{});
-  r.forward_peak_bytes = static_bytes + peak() - start;
-  r.activation_bytes = meter.report().saved_bytes;
-  reset();
-  backward(loss);
-  loss = at::Tensor();
-  r.backward_peak_bytes = static_bytes + peak() - start;
-  if (optimizer != nullptr) {
-    reset();
-    optimizer->step();
-    r.optimizer_peak_bytes = static_bytes + peak() - start;
+
+  torch::nn::Module& module_;
+  torch::optim::Optimizer* optimizer_;
+  std::function<int64_t()> live_;
+  std::function<void()> open_window_;
+  std::function<int64_t()> peak_;
+  StepPeak r_;
+  int64_t static_bytes_ = 0;
+  int64_t start_ = 0;
+  std::optional<SavedTensorMeter> meter_;
+};
+
+// Decomposes a predicted peak: static buckets, the gradients live at the
+// peak (per phase window: forward, backward, optimizer step), the
+// activations at the start of backward, and the rest.
+void decompose(StepPeak& r, const torch::nn::Module& module, const std::vector<int64_t>& grad_at_peak) {
+  const size_t window = r.phase == StepPhase::kForward ? 0 : r.phase == StepPhase::kBackward ? 1 : 2;
+  r.grad_bytes = window < grad_at_peak.size() ? grad_at_peak[window] : 0;
+  if (r.phase == StepPhase::kOptimizerStep) {
+    r.grad_bytes = 0;
+    for (const auto& p : module.parameters()) {
+      r.grad_bytes += storage_bytes(p.grad());
+    }
   }
-  set_phase_peak(r);
-  return r;
+  const int64_t activations = r.phase == StepPhase::kOptimizerStep ? 0 : r.activation_bytes;
+  r.transient_bytes =
+      r.peak_bytes - r.param_bytes - r.buffer_bytes - r.optimizer_state_bytes - r.grad_bytes - activations;
 }
 
 } // namespace
@@ -303,51 +349,38 @@ StepPeak predict_step_peak(
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
-  auto& counter = MetaCounter::get();
   // What a CPU run allocates besides the meta kernels' outputs: the CPU
   // matmuls' operand copies (Note [CPU matmul operand copies on meta]) and
-  // the checkpoints' CPU RNG stashes and recompute fork copies.
+  // the checkpoints' CPU RNG stashes and recompute fork copies (Note
+  // [Checkpoint RNG copies on meta]).
   CpuKernelModel kernels;
   detail::register_intercept_fallback();
   detail::InterceptScope kernel_scope(kernels);
-  struct Mirror {
-    bool fork = std::exchange(detail::mirror_rng_fork_on_meta(), true);
-    bool stash = std::exchange(detail::mirror_rng_stash_on_meta(), true);
-    ~Mirror() {
-      detail::mirror_rng_fork_on_meta() = fork;
-      detail::mirror_rng_stash_on_meta() = stash;
-    }
-  } mirror;
-  StepPeak r;
-  std::vector<int64_t> grad_at_peak;  // per phase window: forward, backward, optimizer step
-  for (int step = 0; step < (optimizer != nullptr ? 2 : 1); ++step) {
-    GradWatch watch(module, &counter);
-    counter.reset_grad();
-    grad_at_peak.clear();
-    r = run_step(
-        module, loss_fn, optimizer, [&] { return counter.live(); },
-        [&] {
-          if (!grad_at_peak.empty()) {
-            grad_at_peak.back() = counter.grad_at_peak();  // the window that just ended
-          }
-          grad_at_peak.push_back(0);
-          counter.reset_peak();
-        },
-        [&] { return counter.peak(); }, &detail::BackwardOnMeta::run);
-    grad_at_peak.back() = counter.grad_at_peak();
-  }
-  // Decompose: static buckets, activations at the start of backward, the rest.
-  const size_t window = r.phase == StepPhase::kForward ? 0 : r.phase == StepPhase::kBackward ? 1 : 2;
-  r.grad_bytes = window < grad_at_peak.size() ? grad_at_peak[window] : 0;
-  if (r.phase == StepPhase::kOptimizerStep) {
-    r.grad_bytes = 0;
-    for (const auto& p : module.parameters()) {
-      r.grad_bytes += storage_bytes(p.grad());
-    }
-  }
-  const int64_t activations = r.phase == StepPhase::kOptimizerStep ? 0 : r.activation_bytes;
-  r.transient_bytes =
-      r.peak_bytes - r.param_bytes - r.buffer_bytes - r.optimizer_state_bytes - r.grad_bytes - activations;
+  detail::MetaRngCopies copies(/*stash=*/true, /*fork=*/true);
+  detail::RngCopyObserverGuard copies_scope(&copies);
+  auto& meta = MetaAllocator::get();
+  CountingObserver counter;
+  detail::MetaObserverScope attached(counter);
+  std::optional<GradWatch> watch;
+  PhasePeaks phases(
+      module, optimizer, [&] { return meta.live_bytes(); }, [&] { counter.open_window(); },
+      [&] { return meta.peak_bytes(); });
+  detail::StepOptions options;
+  options.who = "predict_step_peak";
+  detail::run_meta_step(module, [&] { return phases.metered(loss_fn); }, optimizer, options,
+                        [&](int /*step*/, StepPoint point) {
+                          if (point == StepPoint::kBegin) {
+                            watch.reset();
+                            watch.emplace(module, &counter);  // each gradient counted once a step
+                            counter.clear();
+                          }
+                          phases.mark(point);
+                          if (point == StepPoint::kEnd) {
+                            counter.close_window();
+                          }
+                        });
+  StepPeak r = phases.result();
+  decompose(r, module, counter.grad_at_peak());
   return r;
 }
 
@@ -359,14 +392,16 @@ StepPeak measure_step_peak(
   TORCH_CHECK(CpuMemoryTracker::installed(),
               "measure_step_peak: install the CpuMemoryTracker first (CpuMemoryTracker::install())");
   auto& tracker = CpuMemoryTracker::install();
-  StepPeak r;
-  for (int step = 0; step < (optimizer != nullptr ? 2 : 1); ++step) {
-    std::optional<PeakWindow> window;
-    r = run_step(
-        module, loss_fn, optimizer, [&] { return tracker.stats().allocated_bytes; },
-        [&] { window.emplace(tracker); }, [&] { return window->peak_bytes(); },
-        [](const at::Tensor& loss) { loss.backward(); });
-  }
+  std::optional<PeakWindow> window;
+  PhasePeaks phases(
+      module, optimizer, [&] { return tracker.stats().allocated_bytes; }, [&] { window.emplace(tracker); },
+      [&] { return window->peak_bytes(); });
+  detail::StepOptions options;
+  options.who = "measure_step_peak";
+  options.on_meta = false;
+  detail::run_steps(module, [&] { return phases.metered(loss_fn); }, optimizer, options,
+                    [&](int /*step*/, StepPoint point) { phases.mark(point); });
+  StepPeak r = phases.result();
   r.grad_bytes = -1;
   r.transient_bytes = -1;
   return r;

@@ -50,15 +50,16 @@
 #include "trainmem/meta.h"
 #include "trainmem/format.h"
 #include "detail/backward_on_meta.h"
-#include "detail/checkpoint_state.h"
 #include "detail/intercept.h"
+#include "detail/meta_allocator.h"
+#include "detail/meta_step.h"
 #include "detail/optimizer_state.h"
 #include "detail/process_library.h"
 #include "detail/plan_internal.h"
 
 namespace trainmem {
 
-using detail::MetaCounter;
+using detail::MetaAllocator;
 
 namespace {
 
@@ -73,8 +74,9 @@ int64_t cpu_rng_state_bytes() {
   return bytes;
 }
 
-// Live and peak bytes of the device a profile runs on: the counting meta
-// allocator, or the CPU tracker where a region falls back to the CPU.
+// Live and peak bytes of the device a profile runs on: the meta allocator
+// (Note [One meta allocator]), or the CPU tracker where a region falls back
+// to the CPU.
 class ByteCounter {
  public:
   explicit ByteCounter(bool cpu) : cpu_(cpu) {
@@ -83,18 +85,18 @@ class ByteCounter {
     }
   }
   int64_t live() const {
-    return cpu_ ? tracker_->stats().allocated_bytes : MetaCounter::get().live();
+    return cpu_ ? tracker_->stats().allocated_bytes : MetaAllocator::get().live_bytes();
   }
   void reset_peak() {
     if (cpu_) {
       window_.reset();
       window_.emplace(*tracker_);
     } else {
-      MetaCounter::get().reset_peak();
+      MetaAllocator::get().reset_peak();
     }
   }
   int64_t peak() const {
-    return cpu_ ? (window_ ? window_->peak_bytes() : live()) : MetaCounter::get().peak();
+    return cpu_ ? (window_ ? window_->peak_bytes() : live()) : MetaAllocator::get().peak_bytes();
   }
 
  private:
@@ -314,12 +316,10 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
                          const OpCostFn& op_cost) {
   ByteCounter counter(run.cpu);
   // The recompute's copy of the CPU generator's state, seen on meta while it
-  // lives (the CPU tracker sees it on CPU).
-  struct MirrorFork {
-    bool before;
-    explicit MirrorFork(bool on) : before(std::exchange(detail::mirror_rng_fork_on_meta(), on)) {}
-    ~MirrorFork() { detail::mirror_rng_fork_on_meta() = before; }
-  } mirror(!run.cpu);
+  // lives (the CPU tracker sees it on CPU); the stash is the DP's to add
+  // (Note [Checkpoint RNG copies on meta]).
+  detail::MetaRngCopies copies(/*stash=*/false, /*fork=*/true);
+  detail::RngCopyObserverGuard copies_scope(run.cpu ? nullptr : &copies);
   const auto params = params_of(run);
   BlockProfile prof;
   prof.choice.region_blocks = run.count;
@@ -428,20 +428,20 @@ HeadProfile profile_head(const std::function<at::Tensor(const at::Tensor&)>& los
 }
 
 OptimizerProfile profile_optimizer(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params) {
-  auto& counter = MetaCounter::get();
+  auto& counter = MetaAllocator::get();
   OptimizerProfile r;
   for (const auto& p : params) {
     if (p.requires_grad()) {
       p.mutable_grad() = at::empty_like(p);
     }
   }
-  const int64_t before = counter.live();
+  const int64_t before = counter.live_bytes();
   opt.step();  // creates the state
-  r.state_bytes = counter.live() - before;
-  const int64_t base = counter.live();
+  r.state_bytes = counter.live_bytes() - before;
+  const int64_t base = counter.live_bytes();
   counter.reset_peak();
   opt.step();
-  r.transient_bytes = counter.peak() - base;
+  r.transient_bytes = counter.peak_bytes() - base;
   reset_grads(params);
   return r;
 }

@@ -235,7 +235,7 @@ struct Seed001Stack : torch::nn::Module {
 // fall in the last block's backward, while a CPU matmul holds its contiguous
 // clone of h.sum()'s expanded gradient (rows x d fp32); the checkpointed run
 // also holds each block's CPU RNG stash (Note [CPU matmul operand copies on
-// meta], mirror_rng_stash_on_meta()).
+// meta], Note [Checkpoint RNG copies on meta]).
 TEST(PlannerTest, PredictedStepPeakOfSeed001sStackIsExact) {
   trainmem::CpuMemoryTracker::install();
   constexpr int64_t kBlocks = 4, kD = 64, kRows = 4096;

@@ -3,7 +3,6 @@
 // plan_search.cpp and planner.cpp. Not installed.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -17,7 +16,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
-#include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -26,70 +24,9 @@
 
 #include "trainmem/planner.h"
 #include "trainmem/selective.h"
+#include "detail/meta_allocator.h"  // prediction_mutex()
 
 namespace trainmem::detail {
-
-// Note [Counting meta allocator]
-// Meta storages come from GetAllocator(kMeta) (empty_meta, empty_strided_meta),
-// a stub that returns a null pointer. Ours returns a null pointer too, with a
-// small context that remembers the size, so the free is seen: live and peak
-// meta bytes, as the CPU tracker counts CPU bytes. Installed once with a
-// priority above the stub's, never destroyed. Predictions run on one thread;
-// the peak and the gradient bytes at the peak are updated on that thread.
-class MetaCounter final : public c10::Allocator {
- public:
-  struct Block {
-    int64_t bytes;
-  };
-
-  static MetaCounter& get() {
-    static MetaCounter* counter = [] {
-      auto* c = new MetaCounter();
-      c10::SetAllocator(c10::DeviceType::Meta, c, /*priority=*/1);
-      return c;
-    }();
-    return *counter;
-  }
-
-  c10::DataPtr allocate(size_t n) override {
-    const auto bytes = static_cast<int64_t>(n);
-    const int64_t now = live_.fetch_add(bytes) + bytes;
-    raise_peak(now);
-    return {nullptr, new Block{bytes}, &free_block, c10::Device(c10::DeviceType::Meta)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override {
-    return nullptr;
-  }
-  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {}
-
-  int64_t live() const { return live_.load(); }
-  int64_t peak() const { return peak_.load(); }
-  int64_t grad_at_peak() const { return grad_at_peak_.load(); }
-  void reset_peak() {
-    peak_.store(live_.load());
-    grad_at_peak_.store(grad_live_.load());
-  }
-  void add_grad(int64_t bytes) { grad_live_.fetch_add(bytes); }
-  void reset_grad() { grad_live_.store(0); }
-
- private:
-  MetaCounter() = default;
-  void raise_peak(int64_t now) {
-    if (now > peak_.load()) {
-      peak_.store(now);
-      grad_at_peak_.store(grad_live_.load());
-    }
-  }
-  static void free_block(void* ctx) {
-    auto* b = static_cast<Block*>(ctx);
-    get().live_.fetch_sub(b->bytes);
-    delete b;
-  }
-  std::atomic<int64_t> live_{0};
-  std::atomic<int64_t> peak_{0};
-  std::atomic<int64_t> grad_live_{0};
-  std::atomic<int64_t> grad_at_peak_{0};
-};
 
 // Views (returns alias an input, no write): free, and never cached by SAC.
 // In-place ops are never cached either, but they do work.
@@ -263,9 +200,6 @@ struct OptimizerProfile {
   int64_t state_bytes = 0;
   int64_t transient_bytes = 0;
 };
-
-// One lock for every prediction on meta (the counting allocator is one).
-std::mutex& prediction_mutex();
 
 // Throws unless every parameter of `module` is on meta (`who` names the caller).
 void check_on_meta(const torch::nn::Module& module, const char* who);

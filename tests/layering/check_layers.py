@@ -67,6 +67,9 @@ LAYERS = {
     "src/plan_meta_kernels.cpp": "plan", "src/predict.cpp": "plan", "src/op_cost.cpp": "plan",
     "src/region_profile.cpp": "plan", "src/plan_search.cpp": "plan",
     "src/detail/plan_internal.h": "plan",
+    # The one meta allocator with its observers, and the step the predictions run.
+    "src/detail/meta_allocator.h": "plan", "src/detail/meta_allocator.cpp": "plan",
+    "src/detail/meta_step.h": "plan", "src/detail/meta_step.cpp": "plan",
     "include/trainmem/cuda_predict.h": "plan", "src/cuda_predict.cpp": "plan",
     "include/trainmem/cuda_allocator_model.h": "plan", "src/cuda_allocator_model.cpp": "plan",
     "include/trainmem/snapshot.h": "plan", "src/snapshot.cpp": "plan",
