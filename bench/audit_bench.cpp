@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -62,9 +63,16 @@ struct Decoder : torch::nn::Module {
   torch::optim::Optimizer& optimizer() { return opt; }
 };
 
+std::unique_ptr<at::ObserverContext> no_op_start(const at::RecordFunction&) {
+  return nullptr;
+}
+void no_op_end(const at::RecordFunction&, at::ObserverContext*) {}
+
 // Arg 0: plain; 1: audited (the counting allocator is installed in both).
 // The breakdown of the audit's cost: 2 without the meter, 3 without the
-// timeline, 4 with neither (phases only).
+// timeline, 4 with neither (phases only). What LibTorch's RecordFunction
+// alone costs, plain with a thread-local callback that does nothing: 5 that
+// needs neither inputs nor outputs, 6 that needs inputs, 7 both.
 template <typename Model>
 void BM_Loop(benchmark::State& state) {
   trainmem::CpuMemoryTracker::install();
@@ -73,8 +81,15 @@ void BM_Loop(benchmark::State& state) {
   std::optional<trainmem::Audit> audit;
   const auto arm = state.range(0);
   static const char* const kLabels[] = {"plain", "audited", "audited, no meter", "audited, no timeline",
-                                        "audited, phases only"};
-  if (arm > 0) {
+                                        "audited, phases only", "plain + empty op callback",
+                                        "plain + op callback, inputs", "plain + op callback, inputs and outputs"};
+  std::optional<at::CallbackHandle> callback;
+  if (arm >= 5) {
+    callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&no_op_start, &no_op_end)
+                                              .needsInputs(arm >= 6)
+                                              .needsOutputs(arm == 7)
+                                              .scopes({at::RecordScope::FUNCTION}));
+  } else if (arm > 0) {
     audit.emplace(m, &m.optimizer(), torch::kCPU,
                   trainmem::AuditOptions().meter(arm == 1 || arm == 3).timeline(arm == 1 || arm == 2));
   }
@@ -87,8 +102,11 @@ void BM_Loop(benchmark::State& state) {
       m.step();
     }
   }
+  if (callback) {
+    at::removeCallback(*callback);
+  }
 }
 BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(2.0);
-BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 4)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 7)->Unit(benchmark::kMillisecond)->MinTime(2.0);
 
 } // namespace
