@@ -23,6 +23,7 @@
 #include "detail/meta_allocator.h"
 #include "detail/meta_step.h"
 #include "detail/optimizer_state.h"
+#include "detail/plan_internal.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "trainmem/format.h"
@@ -245,10 +246,7 @@ struct StepMarks {
 void check_arguments(const torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
                      const CudaPredictOptions& options) {
   TORCH_CHECK(static_cast<bool>(loss_fn), "predict_cuda_step_peak: the loss function is empty");
-  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-    TORCH_CHECK(p.value().is_meta(), "predict_cuda_step_peak: parameter '", p.key(), "' is on ",
-                p.value().device(), ", not on the meta device; move the module with trainmem::to_meta() first");
-  }
+  detail::check_on_meta(module, "predict_cuda_step_peak");
   for (const auto& t : options.resident()) {
     TORCH_CHECK(t.defined() && t.is_meta(), "predict_cuda_step_peak: resident tensors must be meta tensors, but got ",
                 t.defined() ? t.device().str() : std::string("an undefined tensor"));

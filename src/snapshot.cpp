@@ -947,7 +947,6 @@ void attribute_peak(const Snapshot& snap, const RecordedWalk& w, SnapshotReplay&
               [](const auto& x, const auto& y) { return x.requested_bytes > y.requested_bytes; });
   }
   // The allocations live when requested bytes peaked, largest first.
-  std::unordered_map<int64_t, const TraceEntry*> alloc_at;
   std::vector<std::pair<int64_t, int64_t>> sorted;
   for (const auto& [a, v] : live_at_peak) sorted.push_back(v);
   std::sort(sorted.begin(), sorted.end(), [](auto& x, auto& y) { return x.first > y.first; });

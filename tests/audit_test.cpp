@@ -16,6 +16,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/meter.h"
 #include "trainmem/report.h"
+#include "support/find_bucket.h"
 
 namespace {
 
@@ -440,13 +441,7 @@ TEST(AuditTest, OptimizedInputHasItsOwnBucket) {
     opt.step();
   }
   const auto r = audit.report();
-  auto bucket = [&](const std::string& name) {
-    for (const auto& b : r.buckets) {
-      if (b.name == name) return b.bytes;
-    }
-    ADD_FAILURE() << "no bucket " << name;
-    return int64_t{-1};
-  };
+  auto bucket = [&](const std::string& name) { return trainmem::testing::find_bucket(r, name).bytes; };
   constexpr int64_t kImage = 1 * 3 * 32 * 32 * 4;
   EXPECT_EQ(bucket("optimized input (image)"), kImage);
   EXPECT_EQ(bucket("parameters"), 4 * (8 * 3 * 3 * 3 + 8 + 8 * 8 * 3 * 3 + 8));
@@ -495,13 +490,7 @@ TEST(AuditTest, BatchNormBuffersAreABucketAndACategoryOfTheirOwn) {
   }
   const int64_t live_after = tracker.stats().allocated_bytes;
   const auto r = audit.report();
-  auto bucket = [&](const std::string& name) {
-    for (const auto& b : r.buckets) {
-      if (b.name == name) return b;
-    }
-    ADD_FAILURE() << "no bucket " << name;
-    return trainmem::BucketBytes{};
-  };
+  auto bucket = [&](const std::string& name) { return trainmem::testing::find_bucket(r, name); };
   EXPECT_EQ(bucket("parameters").bytes, kParams);
   EXPECT_EQ(bucket("buffers").bytes, kBuffers);
   EXPECT_EQ(bucket("buffers").category, Category::kBuffer);

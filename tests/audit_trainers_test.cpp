@@ -46,6 +46,7 @@
 #include "trainmem/planner.h"
 #include "trainmem/report.h"
 #include "region_planner_check.h"
+#include "support/find_bucket.h"
 #include "support/mnist_net.h"
 
 namespace {
@@ -1057,13 +1058,7 @@ TEST(AuditTrainersTest, OptimizedInputMatchesPythonAndPlans) {
     opt.step();
   }
   const auto r = audit.report();
-  auto bucket = [&](const std::string& name) {
-    for (const auto& b : r.buckets) {
-      if (b.name == name) return b.bytes;
-    }
-    ADD_FAILURE() << "no bucket " << name;
-    return int64_t{-1};
-  };
+  auto bucket = [&](const std::string& name) { return trainmem::testing::find_bucket(r, name).bytes; };
   int64_t state = 0;
   for (const auto& b : r.buckets) state += b.category == Category::kOptimizerState ? b.bytes : 0;
   // Measured: the image 1 x 3 x 32 x 32 f32, its gradient, Adam's two
