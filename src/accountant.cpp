@@ -175,34 +175,35 @@ std::pair<std::string, int64_t> predict_state(
     }
     return total;
   };
-  if (dynamic_cast<const AdamW*>(&opt) != nullptr) {
-    return {"AdamW", per_group([](const OptimizerOptions& o) {
+  const std::string name = detail::builtin_optimizer_name(opt);
+  if (name == "AdamW") {
+    return {name, per_group([](const OptimizerOptions& o) {
               return static_cast<const AdamWOptions&>(o).amsgrad() ? 3 : 2;
             })};
   }
-  if (dynamic_cast<const Adam*>(&opt) != nullptr) {
-    return {"Adam", per_group([](const OptimizerOptions& o) {
+  if (name == "Adam") {
+    return {name, per_group([](const OptimizerOptions& o) {
               return static_cast<const AdamOptions&>(o).amsgrad() ? 3 : 2;
             })};
   }
-  if (dynamic_cast<const SGD*>(&opt) != nullptr) {
-    return {"SGD", per_group([](const OptimizerOptions& o) {
+  if (name == "SGD") {
+    return {name, per_group([](const OptimizerOptions& o) {
               return static_cast<const SGDOptions&>(o).momentum() != 0 ? 1 : 0;
             })};
   }
-  if (dynamic_cast<const RMSprop*>(&opt) != nullptr) {
-    return {"RMSprop", per_group([](const OptimizerOptions& o) {
+  if (name == "RMSprop") {
+    return {name, per_group([](const OptimizerOptions& o) {
               const auto& r = static_cast<const RMSpropOptions&>(o);
               return 1 + (r.momentum() > 0 ? 1 : 0) + (r.centered() ? 1 : 0);
             })};
   }
-  if (dynamic_cast<const Adagrad*>(&opt) != nullptr) {
-    return {"Adagrad", per_group([](const OptimizerOptions&) { return 1; })};
+  if (name == "Adagrad") {
+    return {name, per_group([](const OptimizerOptions&) { return 1; })};
   }
-  if (dynamic_cast<const LBFGS*>(&opt) != nullptr) {
+  if (name == "LBFGS") {
     // d, prev_flat_grad and up to history_size (old_dirs, old_stps) pairs of
     // flat vectors; ro, al and H_diag are scalars per entry.
-    return {"LBFGS", per_group([](const OptimizerOptions& o) {
+    return {name, per_group([](const OptimizerOptions& o) {
               return 2 + 2 * static_cast<const LBFGSOptions&>(o).history_size();
             })};
   }
@@ -758,6 +759,17 @@ std::string to_string(const Reconciliation& r) {
 } // namespace trainmem
 
 namespace trainmem::detail {
+
+std::string builtin_optimizer_name(const torch::optim::Optimizer& o) {
+  using namespace torch::optim;
+  if (dynamic_cast<const AdamW*>(&o) != nullptr) return "AdamW";
+  if (dynamic_cast<const Adam*>(&o) != nullptr) return "Adam";
+  if (dynamic_cast<const SGD*>(&o) != nullptr) return "SGD";
+  if (dynamic_cast<const RMSprop*>(&o) != nullptr) return "RMSprop";
+  if (dynamic_cast<const Adagrad*>(&o) != nullptr) return "Adagrad";
+  if (dynamic_cast<const LBFGS*>(&o) != nullptr) return "LBFGS";
+  return "";
+}
 
 // Note [One optimizer-state walk] (detail/optimizer_state_walk.h).
 void for_each_state_tensor(const torch::optim::Optimizer& optimizer, const StateTensorFn& tensor,

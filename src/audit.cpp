@@ -945,14 +945,8 @@ void Audit::add_module(const torch::jit::Module& module) {
 namespace {
 
 std::string optimizer_type(const torch::optim::Optimizer& o) {
-  using namespace torch::optim;
-  if (dynamic_cast<const AdamW*>(&o)) return "AdamW";
-  if (dynamic_cast<const Adam*>(&o)) return "Adam";
-  if (dynamic_cast<const SGD*>(&o)) return "SGD";
-  if (dynamic_cast<const RMSprop*>(&o)) return "RMSprop";
-  if (dynamic_cast<const Adagrad*>(&o)) return "Adagrad";
-  if (dynamic_cast<const LBFGS*>(&o)) return "LBFGS";
-  return "optimizer";
+  std::string name = detail::builtin_optimizer_name(o);
+  return name.empty() ? "optimizer" : name;
 }
 
 } // namespace

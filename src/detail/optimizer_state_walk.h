@@ -32,4 +32,9 @@ using UnknownStateFn = std::function<void(const torch::optim::OptimizerParamStat
 void for_each_state_tensor(const torch::optim::Optimizer& optimizer, const StateTensorFn& tensor,
                            const UnknownStateFn& unknown = {});
 
+/// The type of one of LibTorch's optimizers the walk knows ("AdamW", "Adam",
+/// "SGD", "RMSprop", "Adagrad", "LBFGS"), or "" for any other type: the
+/// accountant then names it by its C++ type, the audit "optimizer".
+std::string builtin_optimizer_name(const torch::optim::Optimizer& optimizer);
+
 } // namespace trainmem::detail
