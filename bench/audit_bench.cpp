@@ -17,6 +17,7 @@
 
 #include "trainmem/allocator.h"
 #include "trainmem/audit.h"
+#include "trainmem/hooks.h"
 
 namespace {
 
@@ -72,7 +73,9 @@ void no_op_end(const at::RecordFunction&, at::ObserverContext*) {}
 // The breakdown of the audit's cost: 2 without the meter, 3 without the
 // timeline, 4 with neither (phases only). What LibTorch's RecordFunction
 // alone costs, plain with a thread-local callback that does nothing: 5 that
-// needs neither inputs nor outputs, 6 that needs inputs, 7 both.
+// needs neither inputs nor outputs, 6 that needs inputs, 7 both. What
+// saved-tensor hooks alone cost: 8, plain with a pack/unpack pair that keeps
+// each saved tensor's data as it is (what any meter of saved bytes stands on).
 template <typename Model>
 void BM_Loop(benchmark::State& state) {
   trainmem::CpuMemoryTracker::install();
@@ -82,9 +85,17 @@ void BM_Loop(benchmark::State& state) {
   const auto arm = state.range(0);
   static const char* const kLabels[] = {"plain", "audited", "audited, no meter", "audited, no timeline",
                                         "audited, phases only", "plain + empty op callback",
-                                        "plain + op callback, inputs", "plain + op callback, inputs and outputs"};
+                                        "plain + op callback, inputs", "plain + op callback, inputs and outputs",
+                                        "plain + saved-tensor hooks that keep the tensor"};
   std::optional<at::CallbackHandle> callback;
-  if (arm >= 5) {
+  std::shared_ptr<trainmem::SavedTensorHooks> keep;
+  if (arm == 8) {
+    struct Keep final : trainmem::SavedTensorHooks {
+      std::any pack(const at::Tensor& t) override { return t.tensor_data(); }
+      at::Tensor unpack(const std::any& packed) override { return std::any_cast<at::Tensor>(packed); }
+    };
+    keep = std::make_shared<Keep>();
+  } else if (arm >= 5) {
     callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&no_op_start, &no_op_end)
                                               .needsInputs(arm >= 6)
                                               .needsOutputs(arm == 7)
@@ -95,7 +106,10 @@ void BM_Loop(benchmark::State& state) {
   }
   state.SetLabel(kLabels[arm]);
   for (auto _ : state) {
-    if (audit) {
+    if (keep) {
+      trainmem::SavedTensorHooksGuard hooks(keep);
+      m.step();
+    } else if (audit) {
       auto audited = audit->step();
       m.step();
     } else {
@@ -107,6 +121,6 @@ void BM_Loop(benchmark::State& state) {
   }
 }
 BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(2.0);
-BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 7)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->MinTime(2.0);
 
 } // namespace
