@@ -232,10 +232,6 @@ void storages_of(const torch::nn::Module& module, std::vector<at::Tensor>& out) 
   }
 }
 
-int64_t nbytes(const at::Tensor& t) {
-  return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
-}
-
 struct StepMarks {
   size_t begin = 0;          // first event of the step
   size_t backward = 0;       // first event of backward
@@ -306,12 +302,12 @@ std::vector<TraceEvent> device_before(const torch::nn::Module& module, const Cud
   std::vector<TraceEvent> before;
   uint64_t synthetic = 1ULL << 62;
   for (const auto& t : options.resident()) {
-    before.push_back({nbytes(t), synthetic++, Kind::kResident});
+    before.push_back({detail::storage_bytes(t), synthetic++, Kind::kResident});
   }
   std::vector<at::Tensor> storages;
   storages_of(module, storages);
   for (const auto& t : storages) {
-    before.push_back({nbytes(t), synthetic++, Kind::kParameter});
+    before.push_back({detail::storage_bytes(t), synthetic++, Kind::kParameter});
   }
   const auto& w = options.workspaces();
   for (bool made : {w.cublas_forward, w.cublas_backward}) {
