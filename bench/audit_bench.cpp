@@ -3,8 +3,11 @@
 // plain step in docs/benchmarks.md (goal <= 1.05x); never asserted in tests.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -121,6 +124,61 @@ void BM_Loop(benchmark::State& state) {
   }
 }
 BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+// Paired: each iteration times one plain step and one audited step of two
+// copies of the model (same seed), in alternating order, so that the drift
+// of this machine's speed falls on both alike. Reports the median of the
+// per-iteration ratios (counter "ratio") beside both medians. Arg: the
+// AuditOptions as in BM_Loop (1 audited, 2 no meter, 3 no timeline, 4 phases
+// only); 0 is the control, both copies plain (the method's own bias).
+template <typename Model>
+void BM_Paired(benchmark::State& state) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  Model plain;
+  torch::manual_seed(0);
+  Model audited;
+  const auto arm = state.range(0);
+  trainmem::Audit audit(audited, &audited.optimizer(), torch::kCPU,
+                        trainmem::AuditOptions().meter(arm == 1 || arm == 3).timeline(arm == 1 || arm == 2));
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> plain_ms, audited_ms, ratios;
+  bool plain_first = true;
+  for (auto _ : state) {
+    double p = 0, a = 0;
+    for (int k = 0; k < 2; ++k) {
+      const auto t0 = Clock::now();
+      if ((k == 0) == plain_first) {
+        plain.step();
+        p = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      } else {
+        if (arm == 0) {
+          audited.step();
+        } else {
+          auto step = audit.step();
+          audited.step();
+        }
+        a = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      }
+    }
+    plain_first = !plain_first;
+    plain_ms.push_back(p);
+    audited_ms.push_back(a);
+    ratios.push_back(a / p);
+  }
+  auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  state.counters["plain_ms"] = median(plain_ms);
+  state.counters["audited_ms"] = median(audited_ms);
+  state.counters["ratio"] = median(ratios);
+  static const char* const kLabels[] = {"control: both plain", "audited", "audited, no meter", "audited, no timeline",
+                                        "audited, phases only"};
+  state.SetLabel(kLabels[arm]);
+}
+
 BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK_TEMPLATE(BM_Paired, Decoder)->DenseRange(0, 4)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(4.0);
 
 } // namespace

@@ -9,6 +9,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include "detail/alloc_recorder.h"
@@ -92,6 +93,8 @@ RecorderSlot* recorder_slots() {
 }
 std::atomic<uint64_t> next_generation{1};
 thread_local uint64_t tls_recorder_tag = 0;
+// detail::set_no_grad_allocation_alarm(): fires at most once.
+thread_local void (*tls_no_grad_alarm)() noexcept = nullptr;
 
 int slot_of(uint64_t tag) {
   return static_cast<int>(tag & 0x7f) - 1;
@@ -256,6 +259,11 @@ class CountingAllocator final : public c10::Allocator {
     log_event(c, size, now, data);
     if (tag != 0) {
       to_recorder(tag, size, t, data);
+    }
+    if (tls_no_grad_alarm != nullptr && !c10::GradMode::is_enabled()) {
+      auto* alarm = tls_no_grad_alarm;
+      tls_no_grad_alarm = nullptr;
+      alarm();
     }
     return {data, data, &counting_delete, c10::Device(c10::DeviceType::CPU)};
   }
@@ -551,6 +559,10 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
   }
   r.window_peak = std::max(r.window_peak, r.live + r.baseline);
   return size;
+}
+
+void set_no_grad_allocation_alarm(void (*alarm)() noexcept) {
+  tls_no_grad_alarm = alarm;
 }
 
 } // namespace trainmem::detail

@@ -30,6 +30,7 @@
 #include "trainmem/optimizer_in_backward.h"
 
 #include "detail/alloc_recorder.h"
+#include "detail/attribution.h"
 #include "detail/backward_listener.h"
 #include "detail/optimizer_state_walk.h"
 #include "detail/thread_id.h"
@@ -60,6 +61,19 @@
 // After a backward the phase is provisionally "optimizer step": a backward
 // that follows makes it forward (gradient accumulation), an optimizer's op
 // names it. Gradient clipping on an optimizer's gradients falls in its step.
+// Once an op has built graph, the phase is forward until a backward or a
+// marked phase ends it or an optimizer steps (DCGAN's discriminator steps
+// after `d_loss = real + fake` built graph). Any RecordFunction callback
+// costs every op of forward (an empty one about 0.2 us an op, 15 % of the
+// LSTMCell decoder's step), so once every audit watching the thread has seen
+// forward the callback is removed, and the counting allocator is asked to
+// call back at the next allocation made without grad
+// (detail::set_no_grad_allocation_alarm): then the full callback is back
+// for the ops after it, as it is after a backward or a marked phase. Forward
+// pays nothing. The cost, only for an optimizer that steps after forward
+// began and before its backward: the ops of its step up to its first
+// allocation and the one that allocates fall in forward, and a step that
+// allocates nothing (SGD without momentum) stays in forward.
 
 namespace trainmem {
 namespace {
@@ -105,9 +119,15 @@ void state_tensors(const torch::optim::Optimizer& opt, std::vector<at::Tensor>& 
 // ops]). Entries are weak: an audit destroyed on another thread is skipped
 // and dropped here later.
 thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
+// kFull looks at every op's inputs and outputs; kQuiet (forward, once seen)
+// has no callback and waits for an allocation without grad (Note
+// [Optimizer phases from ops]).
+enum class WatchMode { kOff, kFull, kQuiet };
+thread_local WatchMode tls_watch_mode = WatchMode::kOff;
 thread_local std::optional<at::CallbackHandle> tls_watch_callback;
 // The callback was removed for a backward (Note [No op watcher in backward]).
 thread_local bool tls_watch_suspended = false;
+void set_watch_mode(WatchMode mode);
 
 std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn);
 void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*);
@@ -168,6 +188,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::vector<Span> spans;
   std::unique_ptr<PeakWindow> window;
   int backward_depth = 0;
+  bool forward_seen = false;   // an op built graph since the last phase change
   std::optional<Span> marked;  // an explicit phase (begin_phase)
   // Storage -> optimizer index: parameters (refreshed each step) and
   // gradients (refreshed after each backward).
@@ -349,6 +370,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     open_window();
     next.begin_ns = next.end_ns = t;
     spans.push_back(std::move(next));
+    forward_seen = false;
   }
 
   Span optimizer_span(int64_t opt) const {
@@ -400,7 +422,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     refresh_grad_owners();
   }
 
-  void on_backward(bool begin) {
+  void on_backward(bool begin, const torch::autograd::edge_list& roots) {
     std::lock_guard<std::mutex> lock(mutex);
     if (!open || closed) {
       return;
@@ -408,6 +430,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     backward_depth += begin ? 1 : -1;
     if (meter) {
       if (begin) {
+        if (meter_guard) {
+          detail::name_saved_nodes(*meter, roots);  // Note [Naming nodes by sequence number]
+        }
         close_meter();
       } else {
         meter_guard = std::make_unique<SavedTensorMeterGuard>(*meter);
@@ -540,7 +565,15 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     std::lock_guard<std::mutex> lock(mutex);
     if (watching()) {
       on_forward_op();
+      forward_seen = true;
     }
+  }
+
+  // Forward has shown itself since the last phase change: until the next
+  // one the watcher has nothing to learn (Note [Optimizer phases from ops]).
+  bool quiet() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return forward_seen;
   }
 
   void start_watching() {
@@ -555,13 +588,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   }
 
   static void add_watch_callback() {
-    if (!tls_watch_callback) {
-      tls_watch_callback = at::addThreadLocalCallback(
-          at::RecordFunctionCallback(&on_watch_start, &on_watch_end)
-              .needsInputs(true)
-              .needsOutputs(true)
-              .scopes({at::RecordScope::FUNCTION}));
-    }
+    set_watch_mode(WatchMode::kFull);
   }
 
   // Note [No op watcher in backward]
@@ -574,9 +601,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // and added back when it ends (an audit whose listener is called here is
   // on this thread: tls state is its own).
   static void suspend_watch_callback() {
-    if (tls_watch_callback) {
-      at::removeCallback(*tls_watch_callback);
-      tls_watch_callback.reset();
+    if (tls_watch_mode != WatchMode::kOff) {
+      set_watch_mode(WatchMode::kOff);
       tls_watch_suspended = true;
     }
   }
@@ -587,6 +613,13 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       if (!tls_watchers.empty()) {
         add_watch_callback();
       }
+    }
+  }
+
+  // A phase changed without a backward (a marked phase ended): look at every op again.
+  static void wake_watch_callback() {
+    if (tls_watch_mode == WatchMode::kQuiet) {
+      set_watch_mode(WatchMode::kFull);
     }
   }
 
@@ -602,10 +635,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
             w.end());
     if (w.empty()) {
       tls_watch_suspended = false;
-      if (tls_watch_callback) {
-        at::removeCallback(*tls_watch_callback);
-        tls_watch_callback.reset();
-      }
+      set_watch_mode(WatchMode::kOff);
     }
   }
 
@@ -848,6 +878,46 @@ std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn
 
 void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*) {
   for_each_watcher([&](auto& impl) { impl.watch_end(fn); });
+  if (!c10::GradMode::is_enabled()) {
+    return;
+  }
+  bool quiet = true;
+  for_each_watcher([&](auto& impl) { quiet = quiet && impl.quiet(); });
+  if (quiet) {
+    set_watch_mode(WatchMode::kQuiet);  // until an allocation without grad, a backward's end or a phase change
+  }
+}
+
+// Forward, once seen: only an op without grad can change the phase (an
+// optimizer step after forward, before any backward), and the optimizers'
+// steps allocate.
+void on_no_grad_allocation() noexcept {
+  try {
+    if (tls_watch_mode == WatchMode::kQuiet) {
+      set_watch_mode(WatchMode::kFull);  // the ops after this allocation
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem::Audit: could not follow an op's phase: ", e.what());
+  } catch (...) {
+  }
+}
+
+void set_watch_mode(WatchMode mode) {
+  if (mode == tls_watch_mode) {
+    return;
+  }
+  if (tls_watch_callback) {
+    at::removeCallback(*tls_watch_callback);
+    tls_watch_callback.reset();
+  }
+  tls_watch_mode = mode;
+  detail::set_no_grad_allocation_alarm(mode == WatchMode::kQuiet ? &on_no_grad_allocation : nullptr);
+  if (mode == WatchMode::kFull) {
+    tls_watch_callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&on_watch_start, &on_watch_end)
+                                                        .needsInputs(true)
+                                                        .needsOutputs(true)
+                                                        .scopes({at::RecordScope::FUNCTION}));
+  }
 }
 
 } // namespace
@@ -869,6 +939,7 @@ Audit::Audit(c10::Device device, AuditOptions options)
   impl_->timeline.device = device_memory_stats(device).device;  // fails early, naming the device
   if (impl_->options.meter()) {
     impl_->meter = std::make_unique<SavedTensorMeter>();
+    detail::name_nodes_by_sequence(*impl_->meter);  // no op callback in forward
   }
   detail::ensure_hooks_engine();
 }
@@ -1075,15 +1146,16 @@ void Audit::begin_step() {
     s.meter_guard = std::make_unique<SavedTensorMeterGuard>(*s.meter);
   }
   std::weak_ptr<Impl> weak = s.shared_from_this();
-  s.listener_id = detail::add_backward_listener([weak](bool begin) {
+  s.listener_id = detail::add_backward_listener([weak](bool begin, const torch::autograd::edge_list& roots) {
     if (auto impl = weak.lock()) {
-      impl->on_backward(begin);
+      impl->on_backward(begin, roots);
     }
   });
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.spans.clear();
     s.backward_depth = 0;
+    s.forward_seen = false;
     s.marked.reset();
     s.refresh_param_owners();
     s.wall_begin = std::chrono::steady_clock::now();
@@ -1187,6 +1259,9 @@ void Audit::end_phase() {
   f.phase = Phase::kForward;
   f.provisional = true;
   s.transition(f, s.now_ns());
+  if (s.step_thread == detail::this_thread_id()) {
+    Impl::wake_watch_callback();  // the watcher's thread-local state is the step thread's
+  }
 }
 
 Audit::PhaseGuard::PhaseGuard(Audit& audit, Phase phase, std::string name) : audit_(audit) {

@@ -172,16 +172,26 @@ class HooksEngine final : public torch::autograd::Engine {
       bool accumulate_grad,
       const torch::autograd::edge_list& outputs) override {
     struct Depth {
-      Depth() { outermost = depth++ == 0; if (outermost) notify(true); }
-      ~Depth() { --depth; if (outermost) notify(false); }
+      explicit Depth(const torch::autograd::edge_list& roots) {
+        outermost = depth++ == 0;
+        if (outermost) {
+          notify(true, roots);
+        }
+      }
+      ~Depth() {
+        --depth;
+        if (outermost) {
+          notify(false, {});
+        }
+      }
       bool outermost;
-    } scope;
+    } scope(roots);
     return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
 
  private:
   static thread_local int depth;
-  static void notify(bool begin);
+  static void notify(bool begin, const torch::autograd::edge_list& roots);
 };
 
 thread_local int HooksEngine::depth = 0;
@@ -189,7 +199,7 @@ thread_local int HooksEngine::depth = 0;
 struct Listener {
   int64_t id;
   uint64_t thread;  // detail::this_thread_id() of the thread it listens to
-  std::function<void(bool)> fn;
+  std::function<void(bool, const torch::autograd::edge_list&)> fn;
 };
 std::mutex listeners_mutex;
 std::vector<Listener>& listeners() {
@@ -198,7 +208,7 @@ std::vector<Listener>& listeners() {
 }
 std::atomic<int64_t> num_listeners{0};
 
-void HooksEngine::notify(bool begin) {
+void HooksEngine::notify(bool begin, const torch::autograd::edge_list& roots) {
   if (num_listeners.load(std::memory_order_relaxed) == 0) {
     return;
   }
@@ -212,7 +222,7 @@ void HooksEngine::notify(bool begin) {
       continue;
     }
     try {
-      l.fn(begin);
+      l.fn(begin, roots);
     } catch (...) {
       // a listener must never break the backward it observes
     }
@@ -390,7 +400,7 @@ SaveObserverGuard::~SaveObserverGuard() {
   pop_frame(id_, thread_, "SaveObserverGuard");
 }
 
-int64_t add_backward_listener(std::function<void(bool begin)> fn) {
+int64_t add_backward_listener(BackwardListener fn) {
   static std::atomic<int64_t> next_id{1};
   const int64_t id = next_id.fetch_add(1);
   std::lock_guard<std::mutex> lock(listeners_mutex);

@@ -7,12 +7,14 @@
 #include <string_view>
 #include <unordered_map>
 
+#include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
@@ -45,6 +47,34 @@
 // to the label a trainmem feature set with detail::SaveLabelGuard, or to
 // "CppFunction" otherwise.
 
+// Note [Naming nodes by sequence number]
+// An op callback costs every op of the metered code a RecordFunction (about
+// 0.3 us with its outputs boxed, docs/benchmarks.md): on a step of 2,000 tiny
+// ops that is a tenth of the step. A meter made with
+// name_nodes_by_sequence() (the audit's) adds none outside TorchScript. It
+// uses what autograd already keeps: an autograd kernel makes its node (which
+// takes the thread's next sequence number) before it saves inputs and
+// outputs, and the ops it redispatches to make no node (but one: an in-place
+// op that needs its input's old values clones it through autograd, so a
+// saved clone whose CloneBackward0 is the newest node was saved by the node
+// before). So at a save the
+// saving node is the last one made on the thread, number
+// at::sequence_number::peek() - 1 (a custom Function's node too: its forward
+// runs without grad, and save_for_backward follows). The save waits under
+// that number; an output saved after its node is attached names it at once;
+// the rest are named when backward begins, by a walk of the graph from its
+// roots (nodes only lead to older nodes of the thread, so the walk stops
+// below the oldest number waiting). A node that an in-place op on a view
+// wraps in CopySlices is reached through the wrapper and named as itself
+// (MulBackward0), where the op callback names the op's output's grad_fn, the
+// view's regenerated AsStridedBackward0. Saves whose node backward never
+// reaches (no backward inside the guard, a branch the loss does not use)
+// end "(unattributed)".
+// TorchScript's differentiable graphs save outside any op and must be named
+// by their ops (Note [Naming TorchScript's graph nodes]), so while a
+// TorchScript function runs (a callback on that scope alone, which ATen's
+// ops never pay for) the op callback is on as for any meter.
+
 namespace trainmem {
 namespace detail {
 
@@ -54,6 +84,8 @@ using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
 
 thread_local const char* tls_save_label = nullptr;
 thread_local int64_t tls_op_depth = 0;
+// TorchScript functions running on this thread (Note [Naming nodes by sequence number]).
+thread_local int64_t tls_script_depth = 0;
 } // namespace
 
 struct MeterState {
@@ -79,6 +111,17 @@ struct MeterState {
   // Set when the guard ended on another thread than the one it meters: that
   // thread's callbacks skip (and later drop) this state.
   std::atomic<bool> closed{false};
+  // Note [Naming nodes by sequence number]: set before a guard opens.
+  bool by_sequence = false;
+  // Saves waiting for their node's name, by node sequence number (ascending:
+  // the numbers only grow on a thread), and the thread that made them.
+  struct Numbered {
+    uint64_t seq;
+    int64_t bytes;
+    int64_t tensors;
+  };
+  std::vector<Numbered> numbered;
+  uint64_t numbered_thread = 0;
 
   void exclude(const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) {
@@ -145,12 +188,116 @@ struct MeterState {
     (moved_to_host ? totals.host_bytes : totals.device_bytes) += new_bytes;
     if (label != nullptr) {
       attribute(label, new_bytes, 1);
+    } else if (depth == 0 && by_sequence && tls_script_depth == 0) {
+      add_numbered(t, new_bytes);
     } else if (depth == 0) {
       add_to_group(t, new_bytes);
     } else {
       pending.push_back({depth, new_bytes});
       pending_depth.store(depth, std::memory_order_relaxed);
     }
+  }
+
+  // Under `mutex` (Note [Naming nodes by sequence number]).
+  void add_numbered(const at::Tensor& t, int64_t bytes) {
+    const uint64_t seq = at::sequence_number::peek() - 1;
+    numbered_thread = at::RecordFunction::currentThreadId();
+    if (numbered.empty() || numbered.back().seq != seq) {
+      numbered.push_back({seq, 0, 0});
+    }
+    numbered.back().bytes += bytes;
+    numbered.back().tensors += 1;
+    // An output saved after set_history: its node (read from the autograd
+    // meta as is, never regenerated as a view's grad_fn() would) is the one saving.
+    const auto* meta = torch::autograd::impl::get_autograd_meta(t);
+    if (meta == nullptr || !meta->grad_fn_ || meta->grad_fn_->sequence_nr() != seq ||
+        meta->grad_fn_->thread_id() != numbered_thread) {
+      return;
+    }
+    std::string name = meta->grad_fn_->name();
+    if (name == "CloneBackward0") {
+      // An in-place op's kernel saving the original `self`: it clones it
+      // (through autograd) after making its own node, which is the one before.
+      auto n = numbered.back();
+      numbered.pop_back();
+      n.seq = seq - 1;
+      if (!numbered.empty() && numbered.back().seq == n.seq) {
+        numbered.back().bytes += n.bytes;
+        numbered.back().tensors += n.tensors;
+      } else {
+        numbered.push_back(n);
+      }
+      return;
+    }
+    const auto& n = numbered.back();
+    attribute(name, n.bytes, n.tensors);
+    numbered.pop_back();
+  }
+
+  // Under `mutex`: names the waiting saves whose nodes `roots` reach.
+  void name_numbered(const torch::autograd::edge_list& roots) {
+    if (numbered.empty()) {
+      return;
+    }
+    const uint64_t lo = numbered.front().seq;
+    const uint64_t hi = at::sequence_number::peek();  // no node of the thread is newer
+    if (hi <= lo) {
+      return;
+    }
+    std::vector<std::string> names(numbered.size());
+    size_t named = 0;
+    auto name = [&](uint64_t seq, const torch::autograd::Node& node) {
+      auto it = std::lower_bound(numbered.begin(), numbered.end(), seq,
+                                 [](const Numbered& n, uint64_t s) { return n.seq < s; });
+      if (it != numbered.end() && it->seq == seq) {
+        auto& slot = names[static_cast<size_t>(it - numbered.begin())];
+        if (slot.empty()) {
+          slot = node.name();
+          ++named;
+        }
+      }
+    };
+    std::vector<bool> visited(hi - lo, false);
+    std::vector<torch::autograd::Node*> stack;
+    for (const auto& e : roots) {
+      stack.push_back(e.function.get());
+    }
+    while (!stack.empty() && named < numbered.size()) {
+      auto* node = stack.back();
+      stack.pop_back();
+      if (node == nullptr || node->thread_id() != numbered_thread) {
+        continue;
+      }
+      const uint64_t seq = node->sequence_nr();
+      if (seq < lo || seq >= hi || visited[seq - lo]) {
+        continue;  // older than any waiting save (its inputs are older still), or seen
+      }
+      visited[seq - lo] = true;
+      name(seq, *node);
+      if (const auto* slices = dynamic_cast<const torch::autograd::CopySlices*>(node); slices && slices->fn) {
+        name(slices->fn->sequence_nr(), *slices->fn);  // reached only through its wrapper
+      }
+      for (const auto& e : node->next_edges()) {
+        stack.push_back(e.function.get());
+      }
+    }
+    size_t kept = 0;
+    for (size_t i = 0; i < numbered.size(); ++i) {
+      if (!names[i].empty()) {
+        attribute(names[i], numbered[i].bytes, numbered[i].tensors);
+      } else {
+        numbered[kept++] = numbered[i];
+      }
+    }
+    numbered.resize(kept);
+  }
+
+  // Under `mutex`: what is still waiting when the guard ends.
+  void drop_numbered() {
+    for (const auto& n : numbered) {
+      attribute("(unattributed)", n.bytes, n.tensors);
+    }
+    numbered.clear();
   }
 
   // Unlabelled saves outside any op (Note [Naming TorchScript's graph nodes]).
@@ -265,6 +412,7 @@ namespace {
 
 thread_local std::vector<std::shared_ptr<MeterState>> tls_meters;
 thread_local std::optional<at::CallbackHandle> tls_callback;
+thread_local std::optional<at::CallbackHandle> tls_script_callback;
 
 std::string node_name(const at::RecordFunction& fn) {
   for (const auto& out : fn.outputs()) {
@@ -318,6 +466,59 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
     }
   } catch (const std::exception& e) {
     TORCH_WARN("trainmem meter: could not attribute saved tensors: ", e.what());
+  }
+}
+
+void sync_callbacks();
+
+// A TorchScript function starts or ends (Note [Naming nodes by sequence number]).
+std::unique_ptr<at::ObserverContext> on_script_start(const at::RecordFunction&) {
+  if (tls_script_depth++ == 0) {
+    sync_callbacks();
+  }
+  return nullptr;
+}
+
+void on_script_end(const at::RecordFunction&, at::ObserverContext*) {
+  if (--tls_script_depth == 0) {
+    try {
+      for (const auto& meter : tls_meters) {
+        if (meter->by_sequence && !meter->closed.load()) {
+          meter->close_group();  // the graph's ops end with the function
+        }
+      }
+      sync_callbacks();
+    } catch (const std::exception& e) {
+      TORCH_WARN("trainmem meter: ", e.what());
+    }
+  }
+}
+
+// The op callback is on while a meter that names by op end is active on this
+// thread, or one that names by sequence number inside a TorchScript function;
+// the TorchScript callback while one of the latter is.
+void sync_callbacks() {
+  bool by_op = false;
+  bool by_sequence = false;
+  for (const auto& m : tls_meters) {
+    if (!m->closed.load()) {
+      (m->by_sequence ? by_sequence : by_op) = true;
+    }
+  }
+  const bool ops = by_op || (by_sequence && tls_script_depth > 0);
+  if (ops && !tls_callback) {
+    tls_callback = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_op_start, &on_op_end).needsOutputs(true).scopes({at::RecordScope::FUNCTION}));
+  } else if (!ops && tls_callback) {
+    at::removeCallback(*tls_callback);
+    tls_callback.reset();
+  }
+  if (by_sequence && !tls_script_callback) {
+    tls_script_callback = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_script_start, &on_script_end).scopes({at::RecordScope::TORCHSCRIPT_FUNCTION}));
+  } else if (!by_sequence && tls_script_callback) {
+    at::removeCallback(*tls_script_callback);
+    tls_script_callback.reset();
   }
 }
 
@@ -426,6 +627,7 @@ void SavedTensorMeter::reset() {
   state_->by_node.clear();
   state_->pending.clear();
   state_->pending_depth.store(-1);
+  state_->numbered.clear();
   state_->group = detail::MeterState::Group();
   state_->group_open.store(false);
   state_->recent_ops.clear();
@@ -450,10 +652,7 @@ void prune_meters() {
   meters.erase(std::remove_if(meters.begin(), meters.end(),
                               [](const auto& m) { return m->closed.load(); }),
                meters.end());
-  if (meters.empty() && tls_callback) {
-    at::removeCallback(*tls_callback);
-    tls_callback.reset();
-  }
+  sync_callbacks();
 }
 } // namespace
 } // namespace detail
@@ -471,13 +670,8 @@ SavedTensorMeterGuard::SavedTensorMeterGuard(SavedTensorMeter& meter)
     detail::prune_meters();
     impl_->state->closed.store(false);
     impl_->observer.emplace(std::make_shared<detail::MeterObserver>(impl_->state));
-    if (!detail::tls_callback) {
-      detail::tls_callback = at::addThreadLocalCallback(
-          at::RecordFunctionCallback(&detail::on_op_start, &detail::on_op_end)
-              .needsOutputs(true)
-              .scopes({at::RecordScope::FUNCTION}));
-    }
     detail::tls_meters.push_back(impl_->state);
+    detail::sync_callbacks();
   } catch (...) {
     impl_->observer.reset();
     impl_->state->active.store(false);
@@ -498,12 +692,42 @@ SavedTensorMeterGuard::~SavedTensorMeterGuard() {
     }
     impl_->state->flush_pending("(unattributed)", 0);
     impl_->state->close_group();
+    {
+      std::lock_guard<std::mutex> lock(impl_->state->mutex);
+      impl_->state->drop_numbered();
+    }
   } catch (...) {
     // Never throw from a destructor.
   }
   impl_->observer.reset();  // safe from any thread (hooks.cpp drops it lazily)
   impl_->state->active.store(false);
 }
+
+namespace detail {
+
+struct MeterAccess {
+  static MeterState& state(SavedTensorMeter& meter) {
+    return *meter.state_;
+  }
+};
+
+void name_nodes_by_sequence(SavedTensorMeter& meter) {
+  auto& state = MeterAccess::state(meter);
+  TORCH_CHECK(!state.active.load(), "trainmem meter: cannot change how a meter names nodes while its guard is active");
+  state.by_sequence = true;
+}
+
+void name_saved_nodes(SavedTensorMeter& meter, const torch::autograd::edge_list& roots) noexcept {
+  auto& state = MeterAccess::state(meter);
+  try {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    state.name_numbered(roots);
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem meter: saved tensors were not named: ", e.what());
+  }
+}
+
+} // namespace detail
 
 std::string to_string(const SavedTensorReport& r) {
   std::string out = fmt::format(

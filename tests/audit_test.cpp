@@ -1,6 +1,11 @@
 #include "trainmem/audit.h"
 
 #include <algorithm>
+#include <map>
+#include <string>
+#include <optional>
+#include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -9,6 +14,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
@@ -532,4 +538,95 @@ TEST(AuditTest, BatchNormBuffersAreABucketAndACategoryOfTheirOwn) {
   const auto back = trainmem::report_from_json(trainmem::to_json(r));
   EXPECT_EQ(back.peak_by_category[static_cast<int>(Category::kBuffer)], kBuffers);
   EXPECT_EQ(back.buckets[1].category, Category::kBuffer);
+}
+
+namespace {
+
+// Image captioning's decoder with an in-place op on a view (CopySlices) and
+// a BatchNorm'd conv stem: ops whose nodes the audit names by sequence
+// number (Note [Naming nodes by sequence number]).
+struct NamingNet : torch::nn::Module {
+  torch::nn::Conv2d conv{register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)))};
+  torch::nn::BatchNorm2d bn{register_module("bn", torch::nn::BatchNorm2d(8))};
+  torch::nn::Linear embed{register_module("embed", torch::nn::Linear(8, 24))};
+  torch::nn::LSTMCell cell{register_module("cell", torch::nn::LSTMCell(24, 24))};
+  torch::nn::Linear head{register_module("head", torch::nn::Linear(24, 10))};
+  at::Tensor scale{register_parameter("scale", torch::ones({24}))};
+  at::Tensor forward(const at::Tensor& images) {
+    auto f = torch::relu(bn->forward(conv->forward(images))).mean({2, 3});  // [4, 8]
+    auto d = torch::tanh(embed->forward(f)).unsqueeze(1).expand({4, 6, 24}).contiguous();
+    d.select(1, 0).sigmoid_();  // in place on a view, saving its output
+    auto e = d.clone();
+    e.select(1, 1).mul_(scale);  // in place on a view, saving its input (the node CopySlices wraps)
+    std::optional<std::tuple<at::Tensor, at::Tensor>> s;
+    std::vector<at::Tensor> hs;
+    for (int64_t t = 0; t < e.size(1); ++t) {
+      s = cell->forward(e.select(1, t), s);
+      hs.push_back(std::get<0>(*s));
+    }
+    return head->forward(at::stack(hs, 1).mean(1));
+  }
+};
+
+} // namespace
+
+// The audit names saved tensors' nodes without an op callback; a meter with
+// one (the public SavedTensorMeter) must find the same nodes, bytes and
+// tensor counts on the same step.
+TEST(AuditTest, NodesNamedWithoutAnOpCallbackMatchTheMeters) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  auto audited = std::make_shared<NamingNet>();
+  torch::manual_seed(0);
+  auto metered = std::make_shared<NamingNet>();
+  torch::optim::Adam opt(audited->parameters(), 1e-3);
+  trainmem::Audit audit(*audited, &opt);
+  torch::manual_seed(1);
+  const auto images = torch::randn({4, 3, 12, 12});
+  const auto labels = torch::randint(0, 10, {4});
+  {
+    auto step = audit.step();
+    opt.zero_grad();
+    torch::cross_entropy_loss(audited->forward(images), labels).backward();
+    opt.step();
+  }
+  trainmem::SavedTensorMeter meter(*metered);
+  at::Tensor loss;
+  {
+    trainmem::SavedTensorMeterGuard scope(meter);
+    loss = torch::cross_entropy_loss(metered->forward(images), labels);
+  }
+  loss.backward();
+  const auto expected = meter.report();
+  const auto r = audit.report();
+  std::map<std::string, std::pair<int64_t, int64_t>> mine, theirs;  // bytes, tensors
+  std::string nodes;
+  for (const auto& n : r.saved_by_node) {
+    mine[n.node] = {n.bytes, n.num_tensors};
+  }
+  for (const auto& n : expected.by_node) {
+    theirs[n.node] = {n.bytes, n.num_tensors};
+    nodes += n.node + " " + std::to_string(n.bytes) + "\n";
+  }
+  EXPECT_EQ(mine.count("(unattributed)"), 0u);
+  // Where the two differ by design: `e.select(1, 1).mul_(scale)` saves
+  // `scale` (a parameter, excluded) and the slice's old values (a [4, 24]
+  // f32 clone) for the MulBackward0 that CopySlices wraps; the op callback
+  // names the clone after the view's regenerated grad_fn,
+  // AsStridedBackward0, beside what `d.select(1, 0).sigmoid_()` saved (its
+  // output: d's whole [4, 6, 24] f32 storage).
+  constexpr int64_t kSlice = 4 * 24 * 4, kD = 4 * 6 * 24 * 4;
+  ASSERT_EQ(theirs.count("AsStridedBackward0"), 1u) << nodes;
+  ASSERT_EQ(mine.count("AsStridedBackward0"), 1u);
+  EXPECT_EQ(mine["AsStridedBackward0"], std::make_pair(kD, int64_t{1}));
+  EXPECT_EQ(theirs["AsStridedBackward0"], std::make_pair(kD + kSlice, int64_t{2})) << nodes;
+  EXPECT_EQ(mine["MulBackward0"].first, theirs["MulBackward0"].first + kSlice);
+  EXPECT_EQ(mine["MulBackward0"].second, theirs["MulBackward0"].second + 1);
+  mine.erase("AsStridedBackward0");
+  theirs.erase("AsStridedBackward0");
+  mine.erase("MulBackward0");
+  theirs.erase("MulBackward0");
+  EXPECT_EQ(mine, theirs) << nodes;
+  EXPECT_GE(mine.size(), 8u) << nodes;
+  EXPECT_EQ(r.saved_activation_bytes, expected.saved_bytes);
 }

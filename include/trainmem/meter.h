@@ -74,6 +74,7 @@ struct SavedTensorReport {
 
 namespace detail {
 struct MeterState;
+struct MeterAccess;
 } // namespace detail
 
 /// Counts what autograd saves inside SavedTensorMeterGuard scopes. Several
@@ -115,6 +116,7 @@ class TRAINMEM_API SavedTensorMeter {
 
  private:
   friend class SavedTensorMeterGuard;
+  friend struct detail::MeterAccess;
   std::shared_ptr<detail::MeterState> state_;
 };
 

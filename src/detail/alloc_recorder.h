@@ -74,4 +74,10 @@ class AllocRecorder {
   uint64_t tag_;
 };
 
+// Calls `alarm` once, at the next allocation of the counting allocator made
+// on this thread without grad (an optimizer step, a no-grad region), after
+// it is counted; nullptr disarms. Costs the allocations nothing while unset.
+// Used by Audit (Note [Optimizer phases from ops]).
+void set_no_grad_allocation_alarm(void (*alarm)() noexcept);
+
 } // namespace trainmem::detail

@@ -2,6 +2,11 @@
 // Internal links between trainmem features that save or hold tensors for
 // backward and the meters that count them (never installed).
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/edge.h>
+
+namespace trainmem {
+class SavedTensorMeter;
+} // namespace trainmem
 
 namespace trainmem::detail {
 
@@ -22,5 +27,16 @@ class SaveLabelGuard {
 // backward outside autograd's saved variables (the selective-checkpoint
 // cache), under `label`. Deduplicated by storage like a saved tensor.
 void record_held_tensor(const char* label, const at::Tensor& tensor) noexcept;
+
+// Note [Naming nodes by sequence number] (meter.cpp): makes `meter` name the
+// nodes of saves by their sequence numbers instead of an op callback, for
+// the guards opened after this call. Such a meter learns a node's name from
+// name_saved_nodes() (the graph's roots at backward) or from an output saved
+// after its node is attached; what is still unnamed when the guard ends is
+// "(unattributed)". Not while a guard on `meter` is active.
+void name_nodes_by_sequence(SavedTensorMeter& meter);
+// Names the pending saves of `meter` whose nodes `roots` reach. On the thread
+// that the meter's guard meters, while it is active.
+void name_saved_nodes(SavedTensorMeter& meter, const torch::autograd::edge_list& roots) noexcept;
 
 } // namespace trainmem::detail
