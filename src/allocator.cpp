@@ -93,8 +93,9 @@ RecorderSlot* recorder_slots() {
 }
 std::atomic<uint64_t> next_generation{1};
 thread_local uint64_t tls_recorder_tag = 0;
-// detail::set_no_grad_allocation_alarm(): fires at most once.
-thread_local void (*tls_no_grad_alarm)() noexcept = nullptr;
+// detail::set_allocation_alarm(): fires at most once.
+thread_local void (*tls_alarm)() noexcept = nullptr;
+thread_local bool tls_alarm_grad = false;
 
 int slot_of(uint64_t tag) {
   return static_cast<int>(tag & 0x7f) - 1;
@@ -260,9 +261,9 @@ class CountingAllocator final : public c10::Allocator {
     if (tag != 0) {
       to_recorder(tag, size, t, data);
     }
-    if (tls_no_grad_alarm != nullptr && !c10::GradMode::is_enabled()) {
-      auto* alarm = tls_no_grad_alarm;
-      tls_no_grad_alarm = nullptr;
+    if (tls_alarm != nullptr && c10::GradMode::is_enabled() == tls_alarm_grad) {
+      auto* alarm = tls_alarm;
+      tls_alarm = nullptr;
       alarm();
     }
     return {data, data, &counting_delete, c10::Device(c10::DeviceType::CPU)};
@@ -561,8 +562,9 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
   return size;
 }
 
-void set_no_grad_allocation_alarm(void (*alarm)() noexcept) {
-  tls_no_grad_alarm = alarm;
+void set_allocation_alarm(void (*alarm)() noexcept, bool grad_enabled) {
+  tls_alarm = alarm;
+  tls_alarm_grad = grad_enabled;
 }
 
 } // namespace trainmem::detail

@@ -68,12 +68,16 @@
 // LSTMCell decoder's step), so once every audit watching the thread has seen
 // forward the callback is removed, and the counting allocator is asked to
 // call back at the next allocation made without grad
-// (detail::set_no_grad_allocation_alarm): then the full callback is back
-// for the ops after it, as it is after a backward or a marked phase. Forward
-// pays nothing. The cost, only for an optimizer that steps after forward
-// began and before its backward: the ops of its step up to its first
-// allocation and the one that allocates fall in forward, and a step that
-// allocates nothing (SGD without momentum) stays in forward.
+// (detail::set_allocation_alarm): then the full callback is back for the
+// ops after it, as it is after a backward or a marked phase. Forward pays
+// nothing. The cost, only for an optimizer that steps after forward began
+// and before its backward: the ops of its step up to its first allocation
+// and the one that allocates fall in forward, and a step that allocates
+// nothing (SGD without momentum) stays in forward. Likewise, once the step
+// of an audit's only optimizer has shown itself, no other optimizer can
+// follow: the callback goes until an allocation with grad (forward again);
+// the op that makes it and those it ran inside of are not looked at, so a
+// forward after the step begins one op later.
 
 namespace trainmem {
 namespace {
@@ -119,10 +123,11 @@ void state_tensors(const torch::optim::Optimizer& opt, std::vector<at::Tensor>& 
 // ops]). Entries are weak: an audit destroyed on another thread is skipped
 // and dropped here later.
 thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
-// kFull looks at every op's inputs and outputs; kQuiet (forward, once seen)
-// has no callback and waits for an allocation without grad (Note
-// [Optimizer phases from ops]).
-enum class WatchMode { kOff, kFull, kQuiet };
+// kFull looks at every op's inputs and outputs; the quiet modes have no
+// callback: kQuietForward (forward, once seen) waits for an allocation
+// without grad, kQuietStep (the step of an audit's only optimizer, once
+// seen) for one with grad (Note [Optimizer phases from ops]).
+enum class WatchMode { kOff, kFull, kQuietForward, kQuietStep };
 thread_local WatchMode tls_watch_mode = WatchMode::kOff;
 thread_local std::optional<at::CallbackHandle> tls_watch_callback;
 // The callback was removed for a backward (Note [No op watcher in backward]).
@@ -189,6 +194,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::unique_ptr<PeakWindow> window;
   int backward_depth = 0;
   bool forward_seen = false;   // an op built graph since the last phase change
+  bool step_seen = false;      // the only optimizer's op ran since then
   std::optional<Span> marked;  // an explicit phase (begin_phase)
   // Storage -> optimizer index: parameters (refreshed each step) and
   // gradients (refreshed after each backward).
@@ -371,6 +377,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     next.begin_ns = next.end_ns = t;
     spans.push_back(std::move(next));
     forward_seen = false;
+    step_seen = false;
   }
 
   Span optimizer_span(int64_t opt) const {
@@ -479,9 +486,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       const int64_t begin = cur.begin_ns;
       cur = optimizer_span(opt);
       cur.begin_ns = begin;
-      return;
+    } else {
+      transition(optimizer_span(opt), now_ns());
     }
-    transition(optimizer_span(opt), now_ns());
+    step_seen = num_groups == 1;  // no other optimizer's op can follow
   }
 
   void on_forward_op() {
@@ -571,9 +579,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
 
   // Forward has shown itself since the last phase change: until the next
   // one the watcher has nothing to learn (Note [Optimizer phases from ops]).
-  bool quiet() {
+  // Or the audit's only optimizer has shown itself: until forward allocates.
+  WatchMode quiet_mode() {
     std::lock_guard<std::mutex> lock(mutex);
-    return forward_seen;
+    return forward_seen ? WatchMode::kQuietForward : step_seen ? WatchMode::kQuietStep : WatchMode::kFull;
   }
 
   void start_watching() {
@@ -618,7 +627,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
 
   // A phase changed without a backward (a marked phase ended): look at every op again.
   static void wake_watch_callback() {
-    if (tls_watch_mode == WatchMode::kQuiet) {
+    if (tls_watch_mode == WatchMode::kQuietForward || tls_watch_mode == WatchMode::kQuietStep) {
       set_watch_mode(WatchMode::kFull);
     }
   }
@@ -871,29 +880,41 @@ void for_each_watcher(F f) noexcept {
   }
 }
 
+// Every audit watching this thread agrees that ops have nothing to tell
+// until an allocation (Note [Optimizer phases from ops]): the callback goes.
+// `mode` is the one quiet mode that the op just seen can lead to (an op with
+// grad to kQuietForward, one without to kQuietStep), so that a no-grad
+// region inside forward does not swap the callback at each allocation.
+void quiet_if_all_agree(WatchMode mode) {
+  bool agree = true;
+  for_each_watcher([&](auto& impl) { agree = agree && impl.quiet_mode() == mode; });
+  if (agree && !tls_watchers.empty()) {
+    set_watch_mode(mode);
+  }
+}
+
 std::unique_ptr<at::ObserverContext> on_watch_start(const at::RecordFunction& fn) {
   for_each_watcher([&](auto& impl) { impl.watch_start(fn); });
+  if (!c10::GradMode::is_enabled()) {
+    quiet_if_all_agree(WatchMode::kQuietStep);
+  }
   return nullptr;
 }
 
 void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*) {
   for_each_watcher([&](auto& impl) { impl.watch_end(fn); });
-  if (!c10::GradMode::is_enabled()) {
-    return;
-  }
-  bool quiet = true;
-  for_each_watcher([&](auto& impl) { quiet = quiet && impl.quiet(); });
-  if (quiet) {
-    set_watch_mode(WatchMode::kQuiet);  // until an allocation without grad, a backward's end or a phase change
+  if (c10::GradMode::is_enabled()) {
+    quiet_if_all_agree(WatchMode::kQuietForward);  // until an allocation without grad, a backward's end or a phase change
   }
 }
 
 // Forward, once seen: only an op without grad can change the phase (an
 // optimizer step after forward, before any backward), and the optimizers'
-// steps allocate.
-void on_no_grad_allocation() noexcept {
+// steps allocate. The only optimizer's step, once seen: only forward can,
+// and it allocates with grad.
+void on_quiet_allocation() noexcept {
   try {
-    if (tls_watch_mode == WatchMode::kQuiet) {
+    if (tls_watch_mode == WatchMode::kQuietForward || tls_watch_mode == WatchMode::kQuietStep) {
       set_watch_mode(WatchMode::kFull);  // the ops after this allocation
     }
   } catch (const std::exception& e) {
@@ -911,7 +932,8 @@ void set_watch_mode(WatchMode mode) {
     tls_watch_callback.reset();
   }
   tls_watch_mode = mode;
-  detail::set_no_grad_allocation_alarm(mode == WatchMode::kQuiet ? &on_no_grad_allocation : nullptr);
+  const bool quiet = mode == WatchMode::kQuietForward || mode == WatchMode::kQuietStep;
+  detail::set_allocation_alarm(quiet ? &on_quiet_allocation : nullptr, mode == WatchMode::kQuietStep);
   if (mode == WatchMode::kFull) {
     tls_watch_callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&on_watch_start, &on_watch_end)
                                                         .needsInputs(true)
@@ -1156,6 +1178,7 @@ void Audit::begin_step() {
     s.spans.clear();
     s.backward_depth = 0;
     s.forward_seen = false;
+    s.step_seen = false;
     s.marked.reset();
     s.refresh_param_owners();
     s.wall_begin = std::chrono::steady_clock::now();

@@ -75,9 +75,10 @@ class AllocRecorder {
 };
 
 // Calls `alarm` once, at the next allocation of the counting allocator made
-// on this thread without grad (an optimizer step, a no-grad region), after
-// it is counted; nullptr disarms. Costs the allocations nothing while unset.
-// Used by Audit (Note [Optimizer phases from ops]).
-void set_no_grad_allocation_alarm(void (*alarm)() noexcept);
+// on this thread with grad mode `grad_enabled` (false: an optimizer step, a
+// no-grad region; true: forward, after an optimizer step), after it is
+// counted; nullptr disarms. Costs the allocations nothing while unset. Used
+// by Audit (Note [Optimizer phases from ops]).
+void set_allocation_alarm(void (*alarm)() noexcept, bool grad_enabled);
 
 } // namespace trainmem::detail
