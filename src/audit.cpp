@@ -795,44 +795,22 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       synthetic.push_back(
           MemoryEvent{f.time_ns - origin_ns, f.bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
     }
-    // The recorder's events and this step's adoptions, in time order.
-    std::vector<MemoryEvent> all;
-    all.reserve(raw.size() + synthetic.size());
-    for (const auto& r : raw) {
-      MemoryEvent e;
-      e.time_ns = r.time_ns - origin_ns;
-      e.bytes = r.bytes;
-      e.address = r.address;
-      e.category = Category::kUnknown;
-      e.step = step_index;
-      all.push_back(e);
-    }
-    const size_t num_raw = all.size();
-    all.insert(all.end(), synthetic.begin(), synthetic.end());
-    synthetic.clear();
-    std::vector<size_t> order(all.size());
-    for (size_t i = 0; i < order.size(); ++i) {
-      order[i] = i;
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return all[a].time_ns < all[b].time_ns; });
-    for (const size_t i : order) {
-      auto e = all[i];
+    auto handle = [&](MemoryEvent e, bool adoption) {
       e.phase = phase_at(e.time_ns);
-      if (i >= num_raw) {
+      if (adoption) {
         // An adoption: its category is set; an alloc stays open until freed.
         if (e.address != 0 && e.bytes > 0 && push_event(e)) {
           live[e.address] = Alloc{timeline.events.size() - 1, true};
         } else if (e.address == 0) {
           push_event(e);
         }
-        continue;
+        return;
       }
       if (e.bytes > 0) {
         if (push_event(e)) {
           live[e.address] = Alloc{timeline.events.size() - 1, false};
         }
-        continue;
+        return;
       }
       if (auto it = live.find(e.address); it != live.end()) {
         auto& a = timeline.events[it->second.event];
@@ -845,10 +823,44 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         e.category = k->second;
         known.erase(k);
       } else {
-        // Its allocation was dropped (the log was full): nothing to pair.
-        continue;
+        return;  // its allocation was dropped (the log was full): nothing to pair
       }
       push_event(e);
+    };
+    auto from_raw = [&](const CpuMemoryEvent& r) {
+      MemoryEvent e;
+      e.time_ns = r.time_ns - origin_ns;
+      e.bytes = r.bytes;
+      e.address = r.address;
+      e.category = Category::kUnknown;
+      e.step = step_index;
+      return e;
+    };
+    const auto by_time = [](const auto& a, const auto& b) { return a.time_ns < b.time_ns; };
+    if (synthetic.empty() && std::is_sorted(raw.begin(), raw.end(), by_time)) {
+      // The usual step: one thread's events, already in time order.
+      for (const auto& r : raw) {
+        handle(from_raw(r), false);
+      }
+    } else {
+      // The recorder's events and this step's adoptions, in time order.
+      std::vector<MemoryEvent> all;
+      all.reserve(raw.size() + synthetic.size());
+      for (const auto& r : raw) {
+        all.push_back(from_raw(r));
+      }
+      const size_t num_raw = all.size();
+      all.insert(all.end(), synthetic.begin(), synthetic.end());
+      synthetic.clear();
+      std::vector<size_t> order(all.size());
+      for (size_t i = 0; i < order.size(); ++i) {
+        order[i] = i;
+      }
+      std::stable_sort(order.begin(), order.end(),
+                       [&](size_t a, size_t b) { return all[a].time_ns < all[b].time_ns; });
+      for (const size_t i : order) {
+        handle(all[i], i >= num_raw);
+      }
     }
     // What survives the step gets its final category now.
     const auto own = owners();
