@@ -57,10 +57,9 @@
 // outputs, and the ops it redispatches to make no node (but one: an in-place
 // op that needs its input's old values clones it through autograd, so a
 // saved clone whose CloneBackward0 is the newest node was saved by the node
-// before). So at a save the
-// saving node is the last one made on the thread, number
-// at::sequence_number::peek() - 1 (a custom Function's node too: its forward
-// runs without grad, and save_for_backward follows). The save waits under
+// before). So at a save the saving node is the last one made on the thread,
+// number at::sequence_number::peek() - 1 (a custom Function's node too: its
+// forward runs without grad, and save_for_backward follows). The save waits under
 // that number; an output saved after its node is attached names it at once;
 // the rest are named when backward begins, by a walk of the graph from its
 // roots (nodes only lead to older nodes of the thread, so the walk stops
@@ -474,7 +473,11 @@ void sync_callbacks();
 // A TorchScript function starts or ends (Note [Naming nodes by sequence number]).
 std::unique_ptr<at::ObserverContext> on_script_start(const at::RecordFunction&) {
   if (tls_script_depth++ == 0) {
-    sync_callbacks();
+    try {
+      sync_callbacks();
+    } catch (const std::exception& e) {
+      TORCH_WARN("trainmem meter: ", e.what());
+    }
   }
   return nullptr;
 }

@@ -1099,3 +1099,39 @@ TEST(AuditTrainersTest, OptimizedInputMatchesPythonAndPlans) {
 }
 
 } // namespace
+
+// The op watcher leaves once forward shows itself and once the only
+// optimizer's step does (Note [Optimizer phases from ops]); allocations call
+// it back. Two forward/backward/step rounds in one step, and the step's
+// first allocation made inside the optimizer (Adam's state) or by forward.
+TEST(AuditTrainersTest, PhasesAreFoundWithAQuietWatcher) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::Adam opt(mlp->parameters(), 1e-3);
+  trainmem::Audit audit(mlp, &opt);
+  for (int i = 0; i < 2; ++i) {
+    auto step = audit.step();
+    for (int round = 0; round < 2; ++round) {
+      opt.zero_grad();
+      mlp->forward(torch::randn({16, 32})).pow(2).sum().backward();
+      opt.step();
+    }
+  }
+  const auto r = audit.report();
+  const std::vector<std::string> expected = {"forward", "backward", "optimizer step (Adam)",
+                                             "forward", "backward", "optimizer step (Adam)"};
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(phase_labels(r, i), expected) << "step " << i;
+  }
+  // Adam's state (two moments per parameter) is optimizer state, made in its step.
+  const int64_t params = storage_bytes(mlp->parameters());
+  int64_t state = 0;
+  for (const auto& b : r.buckets) {
+    state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  }
+  EXPECT_EQ(state, 2 * params);
+  const auto all = trainmem::live_bytes(audit.timeline());
+  EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), 2 * params);
+  EXPECT_EQ(at_cat(all.back(), Category::kGradient), params);
+  EXPECT_EQ(at_cat(all.back(), Category::kActivation), 0);
+}
