@@ -927,7 +927,10 @@ void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*) {
 void on_quiet_allocation() noexcept {
   try {
     if (tls_watch_mode == WatchMode::kQuietForward || tls_watch_mode == WatchMode::kQuietStep) {
-      set_watch_mode(WatchMode::kFull);  // the ops after this allocation
+      const bool any = std::any_of(tls_watchers.begin(), tls_watchers.end(),
+                                   [](const auto& w) { return !w.expired(); });
+      // The ops after this allocation; nothing if every audit here is gone.
+      set_watch_mode(any ? WatchMode::kFull : WatchMode::kOff);
     }
   } catch (const std::exception& e) {
     TORCH_WARN("trainmem::Audit: could not follow an op's phase: ", e.what());
