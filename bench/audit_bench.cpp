@@ -72,6 +72,12 @@ std::unique_ptr<at::ObserverContext> no_op_start(const at::RecordFunction&) {
 }
 void no_op_end(const at::RecordFunction&, at::ObserverContext*) {}
 
+// The audit's options for arm 1 (all), 2 (no meter), 3 (no timeline) and 4
+// (phases only), in BM_Loop and BM_Paired alike.
+trainmem::AuditOptions arm_options(int64_t arm) {
+  return trainmem::AuditOptions().meter(arm == 1 || arm == 3).timeline(arm == 1 || arm == 2);
+}
+
 // Arg 0: plain; 1: audited (the counting allocator is installed in both).
 // The breakdown of the audit's cost: 2 without the meter, 3 without the
 // timeline, 4 with neither (phases only). What LibTorch's RecordFunction
@@ -104,8 +110,7 @@ void BM_Loop(benchmark::State& state) {
                                               .needsOutputs(arm == 7)
                                               .scopes({at::RecordScope::FUNCTION}));
   } else if (arm > 0) {
-    audit.emplace(m, &m.optimizer(), torch::kCPU,
-                  trainmem::AuditOptions().meter(arm == 1 || arm == 3).timeline(arm == 1 || arm == 2));
+    audit.emplace(m, &m.optimizer(), torch::kCPU, arm_options(arm));
   }
   state.SetLabel(kLabels[arm]);
   for (auto _ : state) {
@@ -138,8 +143,7 @@ void BM_Paired(benchmark::State& state) {
   torch::manual_seed(0);
   Model audited;
   const auto arm = state.range(0);
-  trainmem::Audit audit(audited, &audited.optimizer(), torch::kCPU,
-                        trainmem::AuditOptions().meter(arm == 1 || arm == 3).timeline(arm == 1 || arm == 2));
+  trainmem::Audit audit(audited, &audited.optimizer(), torch::kCPU, arm_options(arm));
   using Clock = std::chrono::steady_clock;
   std::vector<double> plain_ms, audited_ms, ratios;
   bool plain_first = true;

@@ -128,6 +128,9 @@ thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
 // without grad, kQuietStep (the step of an audit's only optimizer, once
 // seen) for one with grad (Note [Optimizer phases from ops]).
 enum class WatchMode { kOff, kFull, kQuietForward, kQuietStep };
+bool is_quiet(WatchMode mode) {
+  return mode == WatchMode::kQuietForward || mode == WatchMode::kQuietStep;
+}
 thread_local WatchMode tls_watch_mode = WatchMode::kOff;
 thread_local std::optional<at::CallbackHandle> tls_watch_callback;
 // The callback was removed for a backward (Note [No op watcher in backward]).
@@ -193,8 +196,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::vector<Span> spans;
   std::unique_ptr<PeakWindow> window;
   int backward_depth = 0;
-  bool forward_seen = false;   // an op built graph since the last phase change
-  bool step_seen = false;      // the only optimizer's op ran since then
+  // What this audit learnt since the last phase change: kQuietForward once
+  // an op built graph, kQuietStep once the only optimizer's op ran; kFull
+  // while ops may still change the phase.
+  WatchMode learnt = WatchMode::kFull;
   std::optional<Span> marked;  // an explicit phase (begin_phase)
   // Storage -> optimizer index: parameters (refreshed each step) and
   // gradients (refreshed after each backward).
@@ -376,8 +381,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     open_window();
     next.begin_ns = next.end_ns = t;
     spans.push_back(std::move(next));
-    forward_seen = false;
-    step_seen = false;
+    learnt = WatchMode::kFull;
   }
 
   Span optimizer_span(int64_t opt) const {
@@ -489,7 +493,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     } else {
       transition(optimizer_span(opt), now_ns());
     }
-    step_seen = num_groups == 1;  // no other optimizer's op can follow
+    if (num_groups == 1) {
+      learnt = WatchMode::kQuietStep;  // no other optimizer's op can follow
+    }
   }
 
   void on_forward_op() {
@@ -573,7 +579,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     std::lock_guard<std::mutex> lock(mutex);
     if (watching()) {
       on_forward_op();
-      forward_seen = true;
+      learnt = WatchMode::kQuietForward;
     }
   }
 
@@ -582,7 +588,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // Or the audit's only optimizer has shown itself: until forward allocates.
   WatchMode quiet_mode() {
     std::lock_guard<std::mutex> lock(mutex);
-    return forward_seen ? WatchMode::kQuietForward : step_seen ? WatchMode::kQuietStep : WatchMode::kFull;
+    return learnt;
   }
 
   void start_watching() {
@@ -603,8 +609,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // Note [No op watcher in backward]
   // Every op the watcher sees costs a RecordFunction with its inputs and
   // outputs boxed (about 0.3 us an op, docs/benchmarks.md), a share that a
-  // step of tiny ops does not hide, and it has nothing to do in backward: every audit watching this thread has an open step
-  // here, so each sees the same outermost backward (the engine's listeners
+  // step of tiny ops does not hide, and it has nothing to do in backward:
+  // every audit watching this thread has an open step here, so each sees the same outermost backward (the engine's listeners
   // are per thread) and watching() is false for all of them until it ends.
   // So the callback is removed while a backward runs on the step's thread
   // and added back when it ends (an audit whose listener is called here is
@@ -627,7 +633,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
 
   // A phase changed without a backward (a marked phase ended): look at every op again.
   static void wake_watch_callback() {
-    if (tls_watch_mode == WatchMode::kQuietForward || tls_watch_mode == WatchMode::kQuietStep) {
+    if (is_quiet(tls_watch_mode)) {
       set_watch_mode(WatchMode::kFull);
     }
   }
@@ -926,7 +932,7 @@ void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*) {
 // and it allocates with grad.
 void on_quiet_allocation() noexcept {
   try {
-    if (tls_watch_mode == WatchMode::kQuietForward || tls_watch_mode == WatchMode::kQuietStep) {
+    if (is_quiet(tls_watch_mode)) {
       const bool any = std::any_of(tls_watchers.begin(), tls_watchers.end(),
                                    [](const auto& w) { return !w.expired(); });
       // The ops after this allocation; nothing if every audit here is gone.
@@ -947,8 +953,7 @@ void set_watch_mode(WatchMode mode) {
     tls_watch_callback.reset();
   }
   tls_watch_mode = mode;
-  const bool quiet = mode == WatchMode::kQuietForward || mode == WatchMode::kQuietStep;
-  detail::set_allocation_alarm(quiet ? &on_quiet_allocation : nullptr, mode == WatchMode::kQuietStep);
+  detail::set_allocation_alarm(is_quiet(mode) ? &on_quiet_allocation : nullptr, mode == WatchMode::kQuietStep);
   if (mode == WatchMode::kFull) {
     tls_watch_callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&on_watch_start, &on_watch_end)
                                                         .needsInputs(true)
@@ -1192,8 +1197,7 @@ void Audit::begin_step() {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.spans.clear();
     s.backward_depth = 0;
-    s.forward_seen = false;
-    s.step_seen = false;
+    s.learnt = WatchMode::kFull;
     s.marked.reset();
     s.refresh_param_owners();
     s.wall_begin = std::chrono::steady_clock::now();
