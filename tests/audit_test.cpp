@@ -454,10 +454,7 @@ TEST(AuditTest, OptimizedInputHasItsOwnBucket) {
   EXPECT_EQ(bucket("gradients"), kImage);  // the frozen features have none
   EXPECT_EQ(r.saved_activation_bytes, meter.report().saved_bytes);
   EXPECT_GT(r.saved_activation_bytes, 0);
-  int64_t state = 0;
-  for (const auto& b : r.buckets) {
-    state += b.category == Category::kOptimizerState ? b.bytes : 0;
-  }
+  const int64_t state = trainmem::testing::bucket_bytes_of(r, Category::kOptimizerState);
   EXPECT_EQ(state, 2 * kImage);  // exp_avg, exp_avg_sq
   for (const auto& n : r.notes) {
     EXPECT_EQ(n.find("leaves that require grad"), std::string::npos) << n;

@@ -277,10 +277,7 @@ TEST(AuditTrainersTest, DcganHasAPhasePerOptimizerAndItsAdamStateIsOptimizerStat
       ASSERT_GE(b, 0) << "a category went negative at " << p.time_ns;
     }
   }
-  int64_t state = 0;
-  for (const auto& b : r.buckets) {
-    state += b.category == Category::kOptimizerState ? b.bytes : 0;
-  }
+  const int64_t state = trainmem::testing::bucket_bytes_of(r, Category::kOptimizerState);
   EXPECT_EQ(state, 2 * (g_params + d_params));
   if (!have_python()) {
     GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
@@ -610,10 +607,7 @@ TEST(AuditTrainersTest, OptimizerStateMadeInBackwardIsOptimizerState) {
   EXPECT_EQ(at_cat(all.back(), Category::kGradient), 0);  // freed in backward
   EXPECT_EQ(at_cat(all.back(), Category::kUnknown), 0);
   const auto r = audit.report();
-  int64_t state = 0;
-  for (const auto& b : r.buckets) {
-    state += b.category == Category::kOptimizerState ? b.bytes : 0;
-  }
+  const int64_t state = trainmem::testing::bucket_bytes_of(r, Category::kOptimizerState);
   EXPECT_EQ(state, 2 * kMlpParamBytes);
 }
 
@@ -1007,8 +1001,8 @@ TEST(AuditTrainersTest, RecurrentDecoderMatchesPythonAndPlans) {
   const auto py = oracle("decoder " + std::to_string(kSteps));
   EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
   EXPECT_EQ(storage_bytes(model->parameters()), py.at("param_bytes").get<int64_t>());
-  int64_t state = 0;  // Adam's exp_avg and exp_avg_sq, a bucket each
-  for (const auto& b : r.buckets) state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  // Adam's exp_avg and exp_avg_sq, a bucket each.
+  const int64_t state = trainmem::testing::bucket_bytes_of(r, Category::kOptimizerState);
   EXPECT_EQ(state, py.at("state_bytes").get<int64_t>());
 }
 
@@ -1059,8 +1053,7 @@ TEST(AuditTrainersTest, OptimizedInputMatchesPythonAndPlans) {
   }
   const auto r = audit.report();
   auto bucket = [&](const std::string& name) { return trainmem::testing::find_bucket(r, name).bytes; };
-  int64_t state = 0;
-  for (const auto& b : r.buckets) state += b.category == Category::kOptimizerState ? b.bytes : 0;
+  const int64_t state = trainmem::testing::bucket_bytes_of(r, Category::kOptimizerState);
   // Measured: the image 1 x 3 x 32 x 32 f32, its gradient, Adam's two
   // moments of it; the frozen convs' parameters; saved: relu's output
   // [1,8,30,30] and pow's input [1,8,28,28] (the image, conv1's input, is
@@ -1125,10 +1118,7 @@ TEST(AuditTrainersTest, PhasesAreFoundWithAQuietWatcher) {
   }
   // Adam's state (two moments per parameter) is optimizer state, made in its step.
   const int64_t params = storage_bytes(mlp->parameters());
-  int64_t state = 0;
-  for (const auto& b : r.buckets) {
-    state += b.category == Category::kOptimizerState ? b.bytes : 0;
-  }
+  const int64_t state = trainmem::testing::bucket_bytes_of(r, Category::kOptimizerState);
   EXPECT_EQ(state, 2 * params);
   const auto all = trainmem::live_bytes(audit.timeline());
   EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), 2 * params);
