@@ -86,6 +86,9 @@ struct RecorderSlot {
 
 // Recorders with a baseline: while none has one, a free costs no slot walk.
 std::atomic<int> g_num_baselines{0};
+// The latest time a baseline began (never lowered): a block made at or after
+// it is in no baseline, so its free (most frees) skips the slot walk too.
+std::atomic<int64_t> g_latest_baseline_ns{0};
 
 RecorderSlot* recorder_slots() {
   static auto* slots = new RecorderSlot[kMaxRecorders];  // never destroyed
@@ -222,13 +225,18 @@ void counting_delete(void* data) {
   c.num_frees.fetch_add(1, std::memory_order_relaxed);
   log_event(c, -size, now, data);
   const uint64_t tag = std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(block + kTagOffset)).load();
-  if (tag != 0) {
-    to_recorder(tag, -size, now_since(c), data);
-  }
-  if (g_num_baselines.load(std::memory_order_relaxed) > 0) {
-    int64_t alloc_ns = 0;
-    std::memcpy(&alloc_ns, block + kTimeOffset, sizeof(alloc_ns));
-    to_baselines(tag, size, alloc_ns, now_since(c), data);
+  int64_t alloc_ns = 0;
+  std::memcpy(&alloc_ns, block + kTimeOffset, sizeof(alloc_ns));
+  const bool baselines = g_num_baselines.load(std::memory_order_relaxed) > 0 &&
+      alloc_ns < g_latest_baseline_ns.load(std::memory_order_relaxed);
+  if (tag != 0 || baselines) {
+    const int64_t t = now_since(c);  // one clock read for both
+    if (tag != 0) {
+      to_recorder(tag, -size, t, data);
+    }
+    if (baselines) {
+      to_baselines(tag, size, alloc_ns, t, data);
+    }
   }
   base_allocator->raw_deallocate(block);
 }
@@ -495,6 +503,9 @@ int64_t AllocRecorder::begin_baseline() {
   std::lock_guard<std::mutex> lock(r.mutex);
   auto& c = counters();
   r.baseline_ns.store(now_since(c));
+  int64_t latest = g_latest_baseline_ns.load();
+  while (latest < r.baseline_ns.load() && !g_latest_baseline_ns.compare_exchange_weak(latest, r.baseline_ns.load())) {
+  }
   r.baseline = c.allocated.load() - r.live - theirs;
   r.baseline_excluded = std::move(excluded);
   r.window_peak = std::max(r.window_peak, r.live + r.baseline);

@@ -12,6 +12,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 #include <fmt/format.h>
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/module.h>
@@ -175,8 +176,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   Timeline timeline;
   bool recording_started = false;
   int64_t origin_ns = 0;      // tracker time of the audit's time zero
-  std::unordered_map<uint64_t, Alloc> live;      // address -> open allocation
-  std::unordered_map<uint64_t, Category> known;  // adopted pre-existing blocks
+  // Flat maps (c10's copy of ska::flat_hash_map): each block a step makes is
+  // inserted and erased here, and a flat map allocates nothing for either.
+  ska::flat_hash_map<uint64_t, Alloc> live;      // address -> open allocation
+  ska::flat_hash_map<uint64_t, Category> known;  // adopted pre-existing blocks
   std::vector<MemoryEvent> synthetic;            // adoption events of this step, by time
   struct Input {
     uint64_t address;

@@ -84,16 +84,15 @@ class HooksAdapter final : public torch::autograd::SavedVariableHooks {
 // (or none: a plain save) packs, and the innermost observer is told what
 // was saved and what now holds its bytes (SavedTensorHooks::packed_tensor).
 // Checkpoint's hooks keep no tensor, so their saves are not counted (the
-// region's inputs are, through their own SavedVariables).
-struct Plain {
-  at::Tensor tensor;
-  int64_t version;
-};
-
+// region's inputs are, through their own SavedVariables). A plain save keeps
+// its tensor in the adapter itself (no std::any to allocate: one save in
+// every few ops of a metered forward takes this path).
 class ObservedAdapter final : public torch::autograd::SavedVariableHooks {
  public:
-  ObservedAdapter(std::shared_ptr<SavedTensorHooks> hooks, std::shared_ptr<detail::SaveObserver> observer)
-      : hooks_(std::move(hooks)), observer_(std::move(observer)) {}
+  // `observer` is used by the pack alone, which runs right after the engine
+  // made this adapter, while the observer's frame (which owns it) is alive.
+  ObservedAdapter(std::shared_ptr<SavedTensorHooks> hooks, detail::SaveObserver* observer)
+      : hooks_(std::move(hooks)), observer_(observer) {}
   void call_pack_hook(const at::Tensor& tensor) override {
     at::Tensor kept;
     if (hooks_) {
@@ -104,30 +103,32 @@ class ObservedAdapter final : public torch::autograd::SavedVariableHooks {
       // a saved output) and shares the version counter, so unpack can still
       // catch in-place modification, which autograd stops checking once hooks
       // are set.
-      kept = tensor.tensor_data();
-      packed_ = Plain{kept, tensor._version()};
+      plain_ = tensor.tensor_data();
+      version_ = tensor._version();
+      kept = plain_;
     }
     observer_->on_save(tensor, kept);
-    observer_.reset();  // only the pack is observed
+    observer_ = nullptr;  // only the pack is observed
   }
   at::Tensor call_unpack_hook() override {
     if (hooks_) {
       return hooks_->unpack(packed_);
     }
-    const auto& p = std::any_cast<const Plain&>(packed_);
     TORCH_CHECK(
-        p.tensor._version() == p.version,
+        plain_._version() == version_,
         "one of the variables needed for gradient computation has been "
         "modified by an inplace operation: [",
-        p.tensor.toString(), " ", p.tensor.sizes(), "] is at version ",
-        p.tensor._version(), "; expected version ", p.version, " instead.");
-    return p.tensor;
+        plain_.toString(), " ", plain_.sizes(), "] is at version ",
+        plain_._version(), "; expected version ", version_, " instead.");
+    return plain_;
   }
 
  private:
   std::shared_ptr<SavedTensorHooks> hooks_;
-  std::shared_ptr<detail::SaveObserver> observer_;
-  std::any packed_;
+  detail::SaveObserver* observer_;
+  std::any packed_;     // what hooks_ packed
+  at::Tensor plain_;    // without hooks: the saved tensor's data
+  int64_t version_ = 0;
 };
 
 class HooksEngine final : public torch::autograd::Engine {
@@ -149,7 +150,7 @@ class HooksEngine final : public torch::autograd::Engine {
       }
     }
     if (observer != nullptr) {
-      return std::make_unique<ObservedAdapter>(packer ? packer->hooks : nullptr, observer->observer);
+      return std::make_unique<ObservedAdapter>(packer ? packer->hooks : nullptr, observer->observer.get());
     }
     if (packer == nullptr || !packer->hooks) {
       return nullptr;

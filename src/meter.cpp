@@ -5,6 +5,7 @@
 #include <mutex>
 #include <optional>
 #include <string_view>
+#include <typeindex>
 #include <unordered_map>
 
 #include <ATen/SequenceNumber.h>
@@ -12,6 +13,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/tensor.h>
@@ -91,9 +93,11 @@ struct MeterState {
   std::mutex mutex;
   // Weak references pin the StorageImpl objects (not their data), so an
   // address is never reused for another storage while it is a key here.
-  std::unordered_map<StorageKey, WeakStorage> excluded;
-  std::unordered_map<StorageKey, WeakStorage> seen;
-  std::unordered_map<StorageKey, WeakStorage> excluded_seen;
+  // Flat maps keep their room when cleared: a loop's steps insert as many
+  // storages each and allocate nothing for them after the first.
+  ska::flat_hash_map<StorageKey, WeakStorage> excluded;
+  ska::flat_hash_map<StorageKey, WeakStorage> seen;
+  ska::flat_hash_map<StorageKey, WeakStorage> excluded_seen;
   SavedTensorReport totals;
   std::unordered_map<std::string, NodeSavedBytes> by_node;
   // Packs whose node is not known yet, tagged with the op depth they were
@@ -121,6 +125,27 @@ struct MeterState {
   };
   std::vector<Numbered> numbered;
   uint64_t numbered_thread = 0;
+  // Node names by node type, for the types whose name is the type's own
+  // (autograd's generated nodes): Node::name() makes a string at each call.
+  ska::flat_hash_map<std::type_index, std::string> type_names;
+
+  // Under `mutex`.
+  const std::string& name_of(const torch::autograd::Node& node) {
+    const std::type_index type(typeid(node));
+    if (auto it = type_names.find(type); it != type_names.end()) {
+      return it->second;
+    }
+    std::string name = node.name();
+    // Generated nodes (torch::autograd::generated::*Backward*) return a
+    // fixed name; another node may name itself per instance (CppNode<T>
+    // does not, but nothing promises it), so only the former are kept.
+    if (std::string_view(type.name()).find("generated") != std::string_view::npos) {
+      return type_names.emplace(type, std::move(name)).first->second;
+    }
+    scratch_name = std::move(name);
+    return scratch_name;
+  }
+  std::string scratch_name;
 
   void exclude(const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) {
@@ -156,12 +181,14 @@ struct MeterState {
       StorageKey key = storage.unsafeGetStorageImpl();
       if (excluded.count(key) != 0) {
         totals.num_param_tensors += 1;
-        if (excluded_seen.emplace(key, storage.getWeakStorageImpl()).second) {
+        if (excluded_seen.find(key) == excluded_seen.end()) {
+          excluded_seen.emplace(key, storage.getWeakStorageImpl());
           totals.excluded_param_bytes += static_cast<int64_t>(storage.nbytes());
         }
         return;
       }
-      if (seen.emplace(key, storage.getWeakStorageImpl()).second) {
+      if (seen.find(key) == seen.end()) {
+        seen.emplace(key, storage.getWeakStorageImpl());
         new_bytes = static_cast<int64_t>(storage.nbytes());
         totals.num_storages += 1;
       }
@@ -213,7 +240,7 @@ struct MeterState {
         meta->grad_fn_->thread_id() != numbered_thread) {
       return;
     }
-    std::string name = meta->grad_fn_->name();
+    const std::string& name = name_of(*meta->grad_fn_);
     if (name == "CloneBackward0") {
       // An in-place op's kernel saving the original `self`: it clones it
       // (through autograd) after making its own node, which is the one before.
@@ -251,7 +278,7 @@ struct MeterState {
       if (it != numbered.end() && it->seq == seq) {
         auto& slot = names[static_cast<size_t>(it - numbered.begin())];
         if (slot.empty()) {
-          slot = node.name();
+          slot = name_of(node);
           ++named;
         }
       }
@@ -273,8 +300,11 @@ struct MeterState {
       }
       visited[seq - lo] = true;
       name(seq, *node);
-      if (const auto* slices = dynamic_cast<const torch::autograd::CopySlices*>(node); slices && slices->fn) {
-        name(slices->fn->sequence_nr(), *slices->fn);  // reached only through its wrapper
+      if (typeid(*node) == typeid(torch::autograd::CopySlices)) {
+        const auto& fn = static_cast<const torch::autograd::CopySlices*>(node)->fn;
+        if (fn) {
+          name(fn->sequence_nr(), *fn);  // reached only through its wrapper
+        }
       }
       for (const auto& e : node->next_edges()) {
         stack.push_back(e.function.get());
