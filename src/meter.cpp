@@ -127,7 +127,8 @@ struct MeterState {
   uint64_t numbered_thread = 0;
   // Node names by node type, for the types whose name is the type's own
   // (autograd's generated nodes): Node::name() makes a string at each call.
-  ska::flat_hash_map<std::type_index, std::string> type_names;
+  // Node-based, so a name returned stays put when another is added.
+  std::unordered_map<std::type_index, std::string> type_names;
 
   // Under `mutex`.
   const std::string& name_of(const torch::autograd::Node& node) {
@@ -139,7 +140,9 @@ struct MeterState {
     // Generated nodes (torch::autograd::generated::*Backward*) return a
     // fixed name; another node may name itself per instance (CppNode<T>
     // does not, but nothing promises it), so only the former are kept.
-    if (std::string_view(type.name()).find("generated") != std::string_view::npos) {
+    const std::string_view mangled = type.name();
+    if (mangled.find("autograd9generated") != std::string_view::npos ||
+        mangled.find("autograd::generated") != std::string_view::npos) {
       return type_names.emplace(type, std::move(name)).first->second;
     }
     scratch_name = std::move(name);
