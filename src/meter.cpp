@@ -5,7 +5,7 @@
 #include <mutex>
 #include <optional>
 #include <string_view>
-#include <typeindex>
+#include <typeinfo>
 #include <unordered_map>
 
 #include <ATen/SequenceNumber.h>
@@ -127,28 +127,45 @@ struct MeterState {
   uint64_t numbered_thread = 0;
   // Node names by node type, for the types whose name is the type's own
   // (autograd's generated nodes): Node::name() makes a string at each call.
-  // Node-based, so a name returned stays put when another is added.
-  std::unordered_map<std::type_index, std::string> type_names;
+  // Keyed by the type_info's address (type_index would hash the mangled
+  // name at each lookup); node-based, so an entry stays put when another is
+  // added. Each keeps where its bytes go in by_node while by_node is not
+  // cleared (by_node_epoch), so an attribution hashes no string either.
+  struct TypeName {
+    std::string name;
+    NodeSavedBytes* entry = nullptr;
+    uint64_t entry_epoch = 0;
+  };
+  std::unordered_map<const std::type_info*, TypeName> type_names;
+  uint64_t by_node_epoch = 1;
 
-  // Under `mutex`.
-  const std::string& name_of(const torch::autograd::Node& node) {
-    const std::type_index type(typeid(node));
+  // Under `mutex`: the cached name of the node's type, or nullptr (a type
+  // whose name is not cached: call node.name()).
+  TypeName* type_name(const torch::autograd::Node& node) {
+    const std::type_info* type = &typeid(node);
     if (auto it = type_names.find(type); it != type_names.end()) {
-      return it->second;
+      return &it->second;
     }
-    std::string name = node.name();
     // Generated nodes (torch::autograd::generated::*Backward*) return a
-    // fixed name; another node may name itself per instance (CppNode<T>
-    // does not, but nothing promises it), so only the former are kept.
-    const std::string_view mangled = type.name();
-    if (mangled.find("autograd9generated") != std::string_view::npos ||
-        mangled.find("autograd::generated") != std::string_view::npos) {
-      return type_names.emplace(type, std::move(name)).first->second;
+    // fixed name; another node may name itself per instance (a Python
+    // function's PyNode does), so only the former are kept.
+    const std::string_view mangled = type->name();
+    if (mangled.find("autograd9generated") == std::string_view::npos &&
+        mangled.find("autograd::generated") == std::string_view::npos) {
+      return nullptr;
     }
-    scratch_name = std::move(name);
-    return scratch_name;
+    return &type_names.emplace(type, TypeName{node.name()}).first->second;
   }
-  std::string scratch_name;
+
+  void attribute(TypeName& type, int64_t bytes, int64_t tensors) {
+    if (type.entry_epoch != by_node_epoch) {
+      type.entry = &by_node[type.name];
+      type.entry->node = type.name;
+      type.entry_epoch = by_node_epoch;
+    }
+    type.entry->bytes += bytes;
+    type.entry->num_tensors += tensors;
+  }
 
   void exclude(const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) {
@@ -243,7 +260,9 @@ struct MeterState {
         meta->grad_fn_->thread_id() != numbered_thread) {
       return;
     }
-    const std::string& name = name_of(*meta->grad_fn_);
+    TypeName* type = type_name(*meta->grad_fn_);
+    const std::string uncached = type == nullptr ? meta->grad_fn_->name() : std::string();
+    const std::string& name = type != nullptr ? type->name : uncached;
     if (name == "CloneBackward0") {
       // An in-place op's kernel saving the original `self`: it clones it
       // (through autograd) after making its own node, which is the one before.
@@ -259,7 +278,11 @@ struct MeterState {
       return;
     }
     const auto& n = numbered.back();
-    attribute(name, n.bytes, n.tensors);
+    if (type != nullptr) {
+      attribute(*type, n.bytes, n.tensors);
+    } else {
+      attribute(name, n.bytes, n.tensors);
+    }
     numbered.pop_back();
   }
 
@@ -273,15 +296,24 @@ struct MeterState {
     if (hi <= lo) {
       return;
     }
-    std::vector<std::string> names(numbered.size());
+    struct Named {
+      TypeName* type = nullptr;
+      std::string name;  // a type whose name is not cached
+      bool set = false;
+    };
+    std::vector<Named> names(numbered.size());
     size_t named = 0;
     auto name = [&](uint64_t seq, const torch::autograd::Node& node) {
       auto it = std::lower_bound(numbered.begin(), numbered.end(), seq,
                                  [](const Numbered& n, uint64_t s) { return n.seq < s; });
       if (it != numbered.end() && it->seq == seq) {
         auto& slot = names[static_cast<size_t>(it - numbered.begin())];
-        if (slot.empty()) {
-          slot = name_of(node);
+        if (!slot.set) {
+          slot.type = type_name(node);
+          if (slot.type == nullptr) {
+            slot.name = node.name();
+          }
+          slot.set = true;
           ++named;
         }
       }
@@ -315,8 +347,10 @@ struct MeterState {
     }
     size_t kept = 0;
     for (size_t i = 0; i < numbered.size(); ++i) {
-      if (!names[i].empty()) {
-        attribute(names[i], numbered[i].bytes, numbered[i].tensors);
+      if (names[i].type != nullptr) {
+        attribute(*names[i].type, numbered[i].bytes, numbered[i].tensors);
+      } else if (names[i].set) {
+        attribute(names[i].name, numbered[i].bytes, numbered[i].tensors);
       } else {
         numbered[kept++] = numbered[i];
       }
@@ -661,6 +695,7 @@ void SavedTensorMeter::reset() {
   state_->excluded_seen.clear();
   state_->totals = SavedTensorReport{};
   state_->by_node.clear();
+  ++state_->by_node_epoch;
   state_->pending.clear();
   state_->pending_depth.store(-1);
   state_->numbered.clear();
