@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -763,7 +764,11 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     auto& events = timeline.events;
     const auto room = static_cast<size_t>(std::min(options.max_events(), kEventRoom));
     if (events.capacity() < room) {
-      events.reserve(room);
+      try {
+        events.reserve(room);
+      } catch (const std::bad_alloc&) {
+        // Strict overcommit may refuse the room at once: grow as needed.
+      }
     }
     if (events.data() != advised_events) {  // reserved here, or grown past kEventRoom
       advise_huge_pages(events.data(), events.capacity() * sizeof(MemoryEvent));
