@@ -503,9 +503,7 @@ int64_t AllocRecorder::begin_baseline() {
   std::lock_guard<std::mutex> lock(r.mutex);
   auto& c = counters();
   r.baseline_ns.store(now_since(c));
-  int64_t latest = g_latest_baseline_ns.load();
-  while (latest < r.baseline_ns.load() && !g_latest_baseline_ns.compare_exchange_weak(latest, r.baseline_ns.load())) {
-  }
+  atomic_max(g_latest_baseline_ns, r.baseline_ns.load());
   r.baseline = c.allocated.load() - r.live - theirs;
   r.baseline_excluded = std::move(excluded);
   r.window_peak = std::max(r.window_peak, r.live + r.baseline);

@@ -628,10 +628,6 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     w.erase(std::remove_if(w.begin(), w.end(), [](const auto& e) { return e.expired(); }), w.end());
     w.push_back(weak_from_this());
     tls_watch_suspended = false;
-    add_watch_callback();
-  }
-
-  static void add_watch_callback() {
     set_watch_mode(WatchMode::kFull);
   }
 
@@ -639,8 +635,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // Every op the watcher sees costs a RecordFunction with its inputs and
   // outputs boxed (about 0.3 us an op, docs/benchmarks.md), a share that a
   // step of tiny ops does not hide, and it has nothing to do in backward:
-  // every audit watching this thread has an open step here, so each sees the same outermost backward (the engine's listeners
-  // are per thread) and watching() is false for all of them until it ends.
+  // every audit watching this thread has an open step here, so each sees
+  // the same outermost backward (the engine's listeners are per thread) and
+  // watching() is false for all of them until it ends.
   // So the callback is removed while a backward runs on the step's thread
   // and added back when it ends (an audit whose listener is called here is
   // on this thread: tls state is its own).
@@ -655,7 +652,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     if (tls_watch_suspended) {
       tls_watch_suspended = false;
       if (!tls_watchers.empty()) {
-        add_watch_callback();
+        set_watch_mode(WatchMode::kFull);
       }
     }
   }

@@ -159,8 +159,7 @@ struct MeterState {
 
   void attribute(TypeName& type, int64_t bytes, int64_t tensors) {
     if (type.entry_epoch != by_node_epoch) {
-      type.entry = &by_node[type.name];
-      type.entry->node = type.name;
+      type.entry = &entry_for(type.name);
       type.entry_epoch = by_node_epoch;
     }
     type.entry->bytes += bytes;
@@ -177,11 +176,16 @@ struct MeterState {
         storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
   }
 
-  void attribute(const std::string& node, int64_t bytes, int64_t tensors) {
+  NodeSavedBytes& entry_for(const std::string& node) {
     auto& entry = by_node[node];
     if (entry.node.empty()) {
       entry.node = node;
     }
+    return entry;
+  }
+
+  void attribute(const std::string& node, int64_t bytes, int64_t tensors) {
+    auto& entry = entry_for(node);
     entry.bytes += bytes;
     entry.num_tensors += tensors;
   }
