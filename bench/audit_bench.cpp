@@ -138,8 +138,8 @@ BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisec
 // per-iteration ratios (counter "ratio") beside both medians. Arg: the
 // AuditOptions as in BM_Loop (1 audited, 2 no meter, 3 no timeline, 4 phases
 // only); 0 is the control, both copies plain (the method's own bias); 5 is
-// no audit but the second copy's forward and backward inside KeepHooks (the
-// floor of the meter's mechanism).
+// no audit but the second copy's step inside KeepHooks (its saves are in
+// forward): the floor of the meter's mechanism.
 template <typename Model>
 void BM_Paired(benchmark::State& state) {
   trainmem::CpuMemoryTracker::install();
