@@ -133,7 +133,7 @@ thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
 // seen) for one with grad (Note [Optimizer phases from ops]).
 enum class WatchMode { kOff, kFull, kQuietForward, kQuietStep };
 // Note [The event log's pages]
-// The event log grows by a few hundred events (48 B each) a step until
+// The event log grows by a few hundred events (40 B each) a step until
 // max_events, and each new 4 KiB page costs a page fault when first written:
 // on a step of a few milliseconds that was about 1.5 % of the step on our
 // VM (docs/benchmarks.md). So the log's room is reserved at once, up to
