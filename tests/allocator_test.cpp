@@ -1,6 +1,8 @@
 #include "trainmem/allocator.h"
 
+#include <memory>
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -36,6 +38,32 @@ TEST(AllocatorTest, PeakWindowsAreIndependent) {
   EXPECT_EQ(inner.peak_bytes() - inner.start_bytes(), 1 << 18);
   tracker.reset_peak();
   EXPECT_EQ(tracker.stats().peak_allocated_bytes, tracker.stats().allocated_bytes);
+}
+
+// All 64 slots open at once each see an allocation made while they are open;
+// a 65th is refused by name; a slot closed is handed out again, reset.
+TEST(AllocatorTest, SixtyFourPeakWindowsAndNoMore) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  std::vector<std::unique_ptr<trainmem::PeakWindow>> windows;
+  for (int i = 0; i < 64; ++i) {
+    windows.push_back(std::make_unique<trainmem::PeakWindow>(tracker));
+    auto t = at::empty({1024 * (i + 1)}, at::kByte);  // window i sees i + 1 KiB, and every later one
+  }
+  for (int i = 0; i < 64; ++i) {
+    EXPECT_EQ(windows[i]->peak_bytes() - windows[i]->start_bytes(), 1024 * 64) << "window " << i;
+  }
+  try {
+    trainmem::PeakWindow extra(tracker);
+    FAIL() << "a 65th window opened";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 64 peak windows"), std::string::npos) << e.what();
+  }
+  windows[17].reset();
+  trainmem::PeakWindow again(tracker);
+  {
+    auto t = at::empty({512}, at::kByte);
+  }
+  EXPECT_EQ(again.peak_bytes() - again.start_bytes(), 512);
 }
 
 TEST(AllocatorTest, FreesFromAnotherThreadAreCounted) {
