@@ -913,14 +913,37 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         handle(all[i], i >= num_raw);
       }
     }
-    // What survives the step gets its final category now.
-    const auto own = owners();
-    for (auto& [address, a] : live) {
-      if (!a.final) {
-        auto& e = timeline.events[a.event];
-        e.category = category_of_live(e, own);
-        a.final = true;
+    // What survives the step gets its final category now. In a loop's
+    // steady state that is the new gradients alone: an optimizer's
+    // parameter's gradient is GRADIENT in owners() too (its parameters are
+    // the audited modules' or optimized inputs, add_optimizer() checks), so
+    // they are named from the optimizers, and owners() (a walk over every
+    // module, about 0.5 % of a step of small ops) is made only for the rest.
+    std::vector<uint64_t> grads;
+    for (const auto& opt : optimizers) {
+      for (const auto& g : opt.optimizer->param_groups()) {
+        for (const auto& p : g.params()) {
+          if (p.grad().defined()) {
+            grads.push_back(storage_address(p.grad()));
+          }
+        }
       }
+    }
+    std::optional<std::unordered_map<uint64_t, Category>> own;
+    for (auto& [address, a] : live) {
+      if (a.final) {
+        continue;
+      }
+      auto& e = timeline.events[a.event];
+      if (!is_input(e.address, e.time_ns) && std::find(grads.begin(), grads.end(), address) != grads.end()) {
+        e.category = Category::kGradient;
+      } else {
+        if (!own) {
+          own = owners();
+        }
+        e.category = category_of_live(e, *own);
+      }
+      a.final = true;
     }
   }
 };

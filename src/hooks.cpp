@@ -5,12 +5,18 @@
 #include <functional>
 #include <mutex>
 #include <string_view>
+#include <typeinfo>
 #include <unordered_set>
 #include <vector>
 
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "detail/backward_listener.h"
 #include "detail/save_observer.h"
@@ -77,6 +83,99 @@ class HooksAdapter final : public torch::autograd::SavedVariableHooks {
   std::any packed_;
 };
 
+// Note [A plain save keeps its own tensor]
+// Without hooks, SavedVariable keeps an input (or a leaf) itself and an
+// output as tensor_data(): an output's autograd meta holds the node that
+// saves it, so keeping the output itself would make a reference cycle and
+// leak the graph. Hooks are not told which one they get, and a copy for
+// every save cost about 0.5 % of a step of small ops (two TensorImpls made
+// and freed per save, docs/benchmarks.md). So a plain observed save keeps
+// the tensor itself when its autograd meta provably holds no node that
+// could be saving it, as PyTorch itself would for an input, and
+// tensor_data() otherwise. The saving node S is made on this thread by the
+// op's autograd kernel before it saves; the only nodes that kernel makes
+// after S are the clones of an in-place op's old input (CloneBackward0,
+// saved at once: seen here), and the ops it redispatches to make none. So S
+// is the thread's newest node, or the one before when the newest is a clone
+// seen saved, and a tensor is kept itself when its grad_fn (and, for a view,
+// its base's) is
+//  - none (a leaf holds its grad accumulator weakly), or
+//  - a node made on another thread, or
+//  - a CloneBackward0 (it saves nothing), or
+//  - a node of a generated single-node op older than S.
+// Nodes of other kinds may save after newer nodes are made: a custom
+// Function's forward can build graph before its outputs are saved, a
+// _foreach op makes one node per element (ForeachMulBackward0List and
+// friends), and CopySlices or TorchScript's differentiable graphs wrap
+// others. Their tensors are copied.
+enum class NodeKind { kOther, kGenerated, kClone };
+
+NodeKind node_kind(const torch::autograd::Node& node) {
+  thread_local ska::flat_hash_map<const std::type_info*, NodeKind> cache;
+  const std::type_info* type = &typeid(node);
+  if (auto it = cache.find(type); it != cache.end()) {
+    return it->second;
+  }
+  const std::string_view mangled = type->name();
+  NodeKind kind = NodeKind::kOther;
+  if ((mangled.find("autograd9generated") != std::string_view::npos ||
+       mangled.find("autograd::generated") != std::string_view::npos) &&
+      mangled.find("Foreach") == std::string_view::npos) {
+    kind = mangled.ends_with("14CloneBackward0E") || mangled.ends_with("::CloneBackward0")
+        ? NodeKind::kClone
+        : NodeKind::kGenerated;
+  }
+  cache.emplace(type, kind);
+  return kind;
+}
+
+// The sequence number of the newest CloneBackward0 seen saved on this thread.
+thread_local uint64_t tls_saved_clone = UINT64_MAX;
+
+// `meta`'s grad_fn cannot be the node saving now (Note [A plain save keeps
+// its own tensor]); `meta` is not a view's.
+bool holds_no_saving_node(const torch::autograd::AutogradMeta* meta, uint64_t thread, uint64_t next) {
+  const auto* fn = meta == nullptr ? nullptr : meta->grad_fn_.get();
+  if (fn == nullptr || fn->thread_id() != thread) {
+    return true;
+  }
+  const uint64_t seq = fn->sequence_nr();
+  switch (node_kind(*fn)) {
+    case NodeKind::kClone:
+      if (seq + 1 == next) {
+        tls_saved_clone = seq;  // an in-place op's old input: its own node is the one before
+      }
+      return true;
+    case NodeKind::kGenerated: {
+      const uint64_t saving = tls_saved_clone + 1 == next ? next - 2 : next - 1;
+      return seq < saving;
+    }
+    case NodeKind::kOther:
+      return false;
+  }
+  return false;
+}
+
+bool keeps_no_saving_node(const at::Tensor& t) {
+  const auto* meta = torch::autograd::impl::get_autograd_meta(t);
+  if (meta == nullptr) {
+    return true;
+  }
+  const uint64_t thread = at::RecordFunction::currentThreadId();
+  const uint64_t next = at::sequence_number::peek();
+  if (!meta->is_view_) {
+    return holds_no_saving_node(meta, thread, next);
+  }
+  const auto* view = torch::autograd::impl::get_view_autograd_meta(t);
+  if (view == nullptr || !view->has_bw_view() || (view->has_fw_view() && !view->shared_view_info())) {
+    return false;
+  }
+  const auto& base = view->get_backward_view().base_;
+  const auto* base_meta = torch::autograd::impl::get_autograd_meta(base);
+  return holds_no_saving_node(meta, thread, next) &&
+      (base_meta == nullptr || (!base_meta->is_view_ && holds_no_saving_node(base_meta, thread, next)));
+}
+
 // Note [Meters observe, hooks pack]
 // A meter must count what autograd saves whatever hooks pack it (offload to
 // the host, a user's own pair), and must never change what is kept. So a
@@ -99,11 +198,11 @@ class ObservedAdapter final : public torch::autograd::SavedVariableHooks {
       packed_ = hooks_->pack(tensor);
       kept = hooks_->packed_tensor(packed_);
     } else {
-      // tensor_data() drops the autograd metadata (no reference cycle through
-      // a saved output) and shares the version counter, so unpack can still
-      // catch in-place modification, which autograd stops checking once hooks
-      // are set.
-      plain_ = tensor.tensor_data();
+      // Note [A plain save keeps its own tensor]. tensor_data() drops the
+      // autograd metadata (no reference cycle through a saved output); both
+      // share the version counter, so unpack can still catch in-place
+      // modification, which autograd stops checking once hooks are set.
+      plain_ = keeps_no_saving_node(tensor) ? tensor : tensor.tensor_data();
       version_ = tensor._version();
       kept = plain_;
     }

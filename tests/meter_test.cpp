@@ -2,10 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/autograd.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
 
+#include "trainmem/allocator.h"
 #include "trainmem/hooks.h"
 #include "trainmem/meta.h"
 
@@ -198,6 +201,91 @@ TEST(MeterTest, DetectsInPlaceModificationOfSavedTensor) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("modified by an inplace operation"), std::string::npos)
         << e.what();
+  }
+}
+
+// A custom Function that builds graph in its forward (newer nodes than its
+// own before its saves) and saves an input, an inner result and its output.
+struct SavesInsideForward : torch::autograd::Function<SavesInsideForward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+    at::Tensor inner;
+    {
+      at::AutoGradMode grad(true);
+      inner = (x.detach().requires_grad_() * 2).sin();
+    }
+    auto y = x * 3;
+    ctx->save_for_backward({x, inner, y});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {grads[0] * 3 + 0 * saved[1].detach() * saved[2].detach()};
+  }
+};
+
+// Every kind of save the meter's adapter decides on (Note [A plain save keeps
+// its own tensor], hooks.cpp): outputs, inputs made by the op just before,
+// an in-place op that clones its input (mul_, and copysign_, which saves its
+// result too), in-place ops on views (CopySlices), views of leaves and of
+// results, a _foreach op (a node per element), a custom Function and an
+// LSTMCell. Returns a loss over all of them.
+at::Tensor every_kind_of_save(const at::Tensor& x, const at::Tensor& w, torch::nn::LSTMCell& cell) {
+  auto h = x.exp().sigmoid().tanh() * w;               // outputs, then inputs one op old
+  auto a = h * 1;
+  a.mul_(w);                                           // clones a's old value
+  auto b = h * 1;
+  b.copysign_(w);                                      // clones, and saves its result
+  auto c = h * 1;
+  c.select(0, 1).mul_(w.select(0, 1));                 // in place on a view
+  c.narrow(0, 0, 2).exp_();                            // saves its result, a view
+  auto d = at::mm(h.t(), w);                           // a view of a result, a view of a leaf
+  auto f = at::_foreach_mul(std::vector<at::Tensor>{a, b}, std::vector<at::Tensor>{c, d.t()});
+  auto g = SavesInsideForward::apply(f[0] + f[1]);
+  auto [hy, cy] = cell->forward(g.narrow(1, 0, 3), std::nullopt);
+  return (g.sum() + hy.sum() + cy.tanh().sum());
+}
+
+TEST(MeterTest, SavesKeptWholeLeakNoGraphAndChangeNoGradient) {
+  auto& tracker = trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::LSTMCell cell(3, 5);
+  const auto x = torch::randn({4, 4}).requires_grad_();
+  const auto w = torch::randn({4, 4}).requires_grad_();
+  auto plain_loss = every_kind_of_save(x, w, cell);
+  plain_loss.backward();
+  const auto x_grad = x.grad().clone();
+  const auto w_grad = w.grad().clone();
+  const auto cell_grad = cell->weight_hh.grad().clone();
+  plain_loss = at::Tensor();
+  x.mutable_grad().reset();
+  w.mutable_grad().reset();
+  cell->zero_grad();
+
+  trainmem::SavedTensorMeter meter(*cell);
+  for (const bool backward : {false, true}) {
+    const int64_t before = tracker.stats().allocated_bytes;
+    {
+      at::Tensor loss;
+      {
+        trainmem::SavedTensorMeterGuard scope(meter);
+        loss = every_kind_of_save(x, w, cell);
+      }
+      EXPECT_GT(meter.report().saved_bytes, 0);
+      if (backward) {
+        loss.backward();
+        EXPECT_TRUE(at::equal(x.grad(), x_grad));
+        EXPECT_TRUE(at::equal(w.grad(), w_grad));
+        EXPECT_TRUE(at::equal(cell->weight_hh.grad(), cell_grad));
+        x.mutable_grad().reset();
+        w.mutable_grad().reset();
+        cell->zero_grad();
+      }
+    }
+    meter.reset();
+    // A reference cycle through a saved output would keep its graph and
+    // every tensor the graph saved.
+    EXPECT_EQ(tracker.stats().allocated_bytes, before) << (backward ? "after backward" : "without backward");
   }
 }
 
