@@ -9,7 +9,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include <sys/mman.h>
 
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
@@ -134,26 +133,15 @@ thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
 enum class WatchMode { kOff, kFull, kQuietForward, kQuietStep };
 // Note [The event log's pages]
 // The event log grows by a few hundred events (40 B each) a step until
-// max_events, and each new 4 KiB page costs a page fault when first written:
-// on a step of a few milliseconds that was about 1.5 % of the step on our
-// VM (docs/benchmarks.md). So the log's room is reserved at once, up to
-// kEventRoom events (address space only), and the kernel is asked to back
-// it with transparent huge pages: one fault per 2 MiB instead of one per
-// 4 KiB. Where THP is off (or not Linux) the advice is ignored. PyTorch's
-// own CPU allocator gives the same advice for large blocks
-// (THP_MEM_ALLOC_ENABLE).
+// max_events, and each new 4 KiB page costs a fault when first written
+// (about 1.7 us on our VM, some 14 us a decoder step). The room is reserved
+// at once, up to kEventRoom events (address space only), so the log is never
+// copied as it grows. It is not advised to transparent huge pages: where the
+// kernel has no free huge page it compacts memory inside the fault (defrag
+// "madvise", the common default), and the audited decoder's mean step cost
+// went from 1.09x to 1.12x on our VM (docs/benchmarks.md), the stalls of a
+// few milliseconds every few dozen steps hiding from a median.
 constexpr int64_t kEventRoom = int64_t{1} << 21;
-
-void advise_huge_pages(const void* p, size_t n) noexcept {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const auto begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const auto end = (reinterpret_cast<uintptr_t>(p) + n) & ~(kHuge - 1);
-  if (end > begin) {
-    (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-  }
-#endif
-}
 
 bool is_quiet(WatchMode mode) {
   return mode == WatchMode::kQuietForward || mode == WatchMode::kQuietStep;
@@ -767,12 +755,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         // Strict overcommit may refuse the room at once: grow as needed.
       }
     }
-    if (events.data() != advised_events) {  // reserved here, or grown past kEventRoom
-      advise_huge_pages(events.data(), events.capacity() * sizeof(MemoryEvent));
-      advised_events = events.data();
-    }
   }
-  const MemoryEvent* advised_events = nullptr;
 
   bool push_event(const MemoryEvent& e) {
     if (static_cast<int64_t>(timeline.events.size()) >= options.max_events()) {
