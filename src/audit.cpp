@@ -135,12 +135,13 @@ enum class WatchMode { kOff, kFull, kQuietForward, kQuietStep };
 // The event log grows by a few hundred events (40 B each) a step until
 // max_events, and each new 4 KiB page costs a fault when first written
 // (about 1.7 us on our VM, some 14 us a decoder step). The room is reserved
-// at once, up to kEventRoom events (address space only), so the log is never
-// copied as it grows. It is not advised to transparent huge pages: where the
-// kernel has no free huge page it compacts memory inside the fault (defrag
-// "madvise", the common default), and the audited decoder's mean step cost
-// went from 1.09x to 1.12x on our VM (docs/benchmarks.md), the stalls of a
-// few milliseconds every few dozen steps hiding from a median.
+// at once, up to kEventRoom events (address space only), so the log is not
+// copied as it grows that far. It is not advised to transparent huge pages:
+// where the kernel has no free huge page it compacts memory inside the fault
+// (defrag "madvise", the common default), stalls of a few milliseconds every
+// few dozen steps that hide from a median. With the advice the audited
+// decoder's mean step cost 1.113-1.121x on our VM, without it 1.086-1.093x
+// (docs/design.md, docs/benchmarks.md).
 constexpr int64_t kEventRoom = int64_t{1} << 21;
 
 bool is_quiet(WatchMode mode) {
