@@ -1441,10 +1441,21 @@ const Timeline& Audit::timeline() const {
 
 Timeline Audit::take_timeline() {
   TORCH_CHECK(!impl_->open, "Audit::take_timeline: step ", impl_->step_index, " is still open");
-  Timeline t = std::move(impl_->timeline);
-  impl_->timeline = Timeline();
-  impl_->timeline.device = t.device;
-  impl_->live.clear();
+  auto& s = *impl_;
+  Timeline t = std::move(s.timeline);
+  s.timeline = Timeline();
+  s.timeline.device = t.device;
+  // The blocks still live carry into the next piece: its baseline counts
+  // them by category (what this piece ends with), and their frees keep the
+  // category they have here. Outside a step every open block's is final.
+  s.timeline.baseline_bytes = t.baseline_bytes;
+  for (const auto& e : t.events) {
+    s.timeline.baseline_bytes[static_cast<int>(e.category)] += e.bytes;
+  }
+  for (const auto& [address, a] : s.live) {
+    s.known[address] = t.events[a.event].category;
+  }
+  s.live.clear();
   return t;
 }
 

@@ -134,6 +134,55 @@ TEST(AuditTest, SecondStepFreesLastStepsGradientsAsGradients) {
   EXPECT_EQ(audit.report().phases.size(), 6u);
 }
 
+// A long run takes its timeline in pieces (Note [The event log's pages]:
+// each new log is reserved and populated afresh): each piece holds its own
+// steps, every step of one loop logs as many events, and time runs on.
+TEST(AuditTest, TakenTimelinesHoldTheirOwnSteps) {
+  trainmem::CpuMemoryTracker::install();
+  auto mlp = seed_mlp();
+  torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  trainmem::Audit audit(*mlp, &opt);
+  std::vector<trainmem::Timeline> pieces;
+  for (int piece = 0; piece < 3; ++piece) {
+    for (int i = 0; i < 3; ++i) {
+      train_step(mlp, opt, audit);
+    }
+    pieces.push_back(audit.take_timeline());
+    EXPECT_TRUE(audit.timeline().events.empty());
+  }
+  std::map<int64_t, int64_t> events_per_step;
+  int64_t last_ns = -1;
+  for (size_t piece = 0; piece < pieces.size(); ++piece) {
+    for (const auto& e : pieces[piece].events) {
+      EXPECT_GE(e.step, static_cast<int64_t>(3 * piece));
+      EXPECT_LT(e.step, static_cast<int64_t>(3 * piece + 3));
+      EXPECT_GE(e.time_ns, last_ns);
+      last_ns = e.time_ns;
+      ++events_per_step[e.step];
+    }
+  }
+  ASSERT_EQ(events_per_step.size(), 9u);
+  // Step 0 makes the momentum buffers; from step 1 on each step frees the
+  // last one's gradients, in a new piece as well.
+  for (int64_t step = 2; step < 9; ++step) {
+    EXPECT_EQ(events_per_step[step], events_per_step[1]) << "step " << step;
+  }
+  // Each piece starts from what the last one ended with, by category, and
+  // none goes negative.
+  for (size_t piece = 1; piece < pieces.size(); ++piece) {
+    const auto last = trainmem::live_bytes(pieces[piece - 1]).back();
+    const auto series = trainmem::live_bytes(pieces[piece]);
+    EXPECT_EQ(series.front().bytes, last.bytes) << "piece " << piece;
+    EXPECT_EQ(at_cat(series.front(), Category::kGradient), kMlpParamBytes);
+    EXPECT_EQ(at_cat(series.back(), Category::kOptimizerState), kMlpParamBytes);
+    for (const auto& p : series) {
+      for (auto b : p.bytes) {
+        ASSERT_GE(b, 0) << "piece " << piece << ": a category went negative at " << p.time_ns;
+      }
+    }
+  }
+}
+
 // The PyTorch examples' loop makes each batch before the step and frees it
 // after: INPUT holds one batch at a time and no category goes negative.
 TEST(AuditTest, BatchesMadeOutsideTheStepAreInputs) {

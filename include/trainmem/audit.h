@@ -266,7 +266,9 @@ class TRAINMEM_API Audit {
   /// The raw timeline (CPU): every event, classified.
   const Timeline& timeline() const;
   /// Moves the timeline out (no copy of a long run's events); the audit's
-  /// own is empty afterwards. Throws while a step is open.
+  /// own is empty afterwards and goes on as the next piece: its
+  /// baseline_bytes are what this one ends with, by category, and the frees
+  /// of blocks still live keep their category. Throws while a step is open.
   Timeline take_timeline();
 
   struct Impl;
