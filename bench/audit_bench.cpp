@@ -136,12 +136,12 @@ BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisec
 // Paired: each iteration times one plain step and one audited step of two
 // copies of the model (same seed), in alternating order, so that the drift
 // of this machine's speed falls on both alike. Reports the median of the
-// per-iteration ratios (counter "ratio") beside both medians, and the ratio of
-// the sums (counter "mean_ratio": what a run pays, slow steps included). Arg: the
-// AuditOptions as in BM_Loop (1 audited, 2 no meter, 3 no timeline, 4 phases
-// only); 0 is the control, both copies plain (the method's own bias); 5 is
-// no audit but the second copy's step inside KeepHooks (its saves are in
-// forward): the floor of the meter's mechanism.
+// per-iteration ratios (counter "ratio") beside both medians, and the ratio
+// of the sums (counter "mean_ratio": what a run pays, slow steps included).
+// Arg: the AuditOptions as in BM_Loop (1 audited, 2 no meter, 3 no
+// timeline, 4 phases only); 0 is the control, both copies plain (the
+// method's own bias); 5 is no audit but the second copy's step inside
+// KeepHooks (its saves are in forward): the floor of the meter's mechanism.
 template <typename Model>
 void BM_Paired(benchmark::State& state) {
   trainmem::CpuMemoryTracker::install();

@@ -11,7 +11,6 @@
 
 #include <sys/mman.h>
 
-
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
@@ -140,9 +139,10 @@ enum class WatchMode { kOff, kFull, kQuietForward, kQuietStep };
 // Each page of it written for the first time costs a fault: a decoder step
 // on our VM writes eight, about 35 us or 0.8 % of the step (timed inside
 // the step, against a recycled log). So before a step's events are added
-// the log's next kPopulateBytes are populated at once (madvise(MADV_POPULATE_WRITE), Linux 5.14+; elsewhere the writes
-// fault as before): about 2 us a page, paid once every few dozen steps. It
-// is not advised to transparent huge pages: where the kernel has no free
+// the log's next kPopulateBytes are populated at once
+// (madvise(MADV_POPULATE_WRITE), Linux 5.14+; elsewhere the writes fault as
+// before): about 2 us a page, paid once every few dozen steps. It is not
+// advised to transparent huge pages: where the kernel has no free
 // huge page it compacts memory inside the fault (defrag "madvise", the
 // common default), stalls of a few milliseconds every few dozen steps that
 // hide from a median. With that advice the audited decoder's mean step cost
