@@ -136,7 +136,8 @@ TEST(AuditTest, SecondStepFreesLastStepsGradientsAsGradients) {
 
 // A long run takes its timeline in pieces (Note [The event log's pages]:
 // each new log is reserved and populated afresh): each piece holds its own
-// steps, every step of one loop logs as many events, and time runs on.
+// steps, every step of one loop logs as many events, time runs on, and each
+// piece starts from what the last one ended with.
 TEST(AuditTest, TakenTimelinesHoldTheirOwnSteps) {
   trainmem::CpuMemoryTracker::install();
   auto mlp = seed_mlp();

@@ -243,7 +243,7 @@ at::Tensor every_kind_of_save(const at::Tensor& x, const at::Tensor& w, torch::n
   auto f = at::_foreach_mul(std::vector<at::Tensor>{a, b}, std::vector<at::Tensor>{c, d.t()});
   auto g = SavesInsideForward::apply(f[0] + f[1]);
   auto [hy, cy] = cell->forward(g.narrow(1, 0, 3), std::nullopt);
-  return (g.sum() + hy.sum() + cy.tanh().sum());
+  return g.sum() + hy.sum() + cy.tanh().sum();
 }
 
 TEST(MeterTest, SavesKeptWholeLeakNoGraphAndChangeNoGradient) {
