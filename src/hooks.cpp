@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "detail/backward_listener.h"
+#include "detail/node_type.h"
 #include "detail/save_observer.h"
 #include "detail/thread_id.h"
 
@@ -118,9 +119,7 @@ NodeKind node_kind(const torch::autograd::Node& node) {
   }
   const std::string_view mangled = type->name();
   NodeKind kind = NodeKind::kOther;
-  if ((mangled.find("autograd9generated") != std::string_view::npos ||
-       mangled.find("autograd::generated") != std::string_view::npos) &&
-      mangled.find("Foreach") == std::string_view::npos) {
+  if (detail::is_generated_node_type(*type) && mangled.find("Foreach") == std::string_view::npos) {
     kind = mangled.ends_with("14CloneBackward0E") || mangled.ends_with("::CloneBackward0")
         ? NodeKind::kClone
         : NodeKind::kGenerated;

@@ -21,6 +21,7 @@
 #include <torch/nn/module.h>
 
 #include "detail/attribution.h"
+#include "detail/node_type.h"
 #include "detail/save_observer.h"
 #include "detail/thread_id.h"
 #include "trainmem/hooks.h"
@@ -146,12 +147,8 @@ struct MeterState {
     if (auto it = type_names.find(type); it != type_names.end()) {
       return &it->second;
     }
-    // Generated nodes (torch::autograd::generated::*Backward*) return a
-    // fixed name; another node may name itself per instance (a Python
-    // function's PyNode does), so only the former are kept.
-    const std::string_view mangled = type->name();
-    if (mangled.find("autograd9generated") == std::string_view::npos &&
-        mangled.find("autograd::generated") == std::string_view::npos) {
+    // Only generated nodes' names are fixed by their type.
+    if (!is_generated_node_type(*type)) {
       return nullptr;
     }
     return &type_names.emplace(type, TypeName{node.name()}).first->second;
