@@ -80,10 +80,14 @@ struct KeepHooks final : trainmem::SavedTensorHooks {
   at::Tensor unpack(const std::any& packed) override { return std::any_cast<at::Tensor>(packed); }
 };
 
-// The audit's options for arm 1 (all), 2 (no meter), 3 (no timeline) and 4
-// (phases only), in BM_Loop and BM_Paired alike.
+// The audit's options for arm 1 (all), 2 (no meter), 3 (no timeline), 4
+// (phases only) and 6 (all, the meter once every 10 steps), in BM_Loop and
+// BM_Paired alike.
 trainmem::AuditOptions arm_options(int64_t arm) {
-  return trainmem::AuditOptions().meter(arm == 1 || arm == 3).timeline(arm == 1 || arm == 2);
+  return trainmem::AuditOptions()
+      .meter(arm == 1 || arm == 3 || arm == 6)
+      .timeline(arm == 1 || arm == 2 || arm == 6)
+      .meter_every(arm == 6 ? 10 : 1);
 }
 
 // Arg 0: plain; 1: audited (the counting allocator is installed in both).
@@ -139,9 +143,10 @@ BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisec
 // per-iteration ratios (counter "ratio") beside both medians, and the ratio
 // of the sums (counter "mean_ratio": what a run pays, slow steps included).
 // Arg: the AuditOptions as in BM_Loop (1 audited, 2 no meter, 3 no
-// timeline, 4 phases only); 0 is the control, both copies plain (the
-// method's own bias); 5 is no audit but the second copy's step inside
-// KeepHooks (its saves are in forward): the floor of the meter's mechanism.
+// timeline, 4 phases only, 6 all with the meter once every 10 steps); 0 is
+// the control, both copies plain (the method's own bias); 5 is no audit but
+// the second copy's step inside KeepHooks (its saves are in forward): the
+// floor of the meter's mechanism.
 template <typename Model>
 void BM_Paired(benchmark::State& state) {
   trainmem::CpuMemoryTracker::install();
@@ -192,12 +197,13 @@ void BM_Paired(benchmark::State& state) {
   state.counters["mean_ratio"] = std::accumulate(audited_ms.begin(), audited_ms.end(), 0.0) /
       std::accumulate(plain_ms.begin(), plain_ms.end(), 0.0);
   static const char* const kLabels[] = {"control: both plain", "audited", "audited, no meter", "audited, no timeline",
-                                        "audited, phases only", "plain + saved-tensor hooks that keep the tensor"};
+                                        "audited, phases only", "plain + saved-tensor hooks that keep the tensor",
+                                        "audited, meter every 10th step"};
   state.SetLabel(kLabels[arm]);
 }
 
 BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->MinTime(2.0);
-BENCHMARK_TEMPLATE(BM_Paired, Decoder)->DenseRange(0, 5)->Unit(benchmark::kMillisecond)->MinTime(4.0);
-BENCHMARK_TEMPLATE(BM_Paired, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, Decoder)->DenseRange(0, 6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, WordLm)->Arg(0)->Arg(1)->Arg(6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
 
 } // namespace

@@ -192,6 +192,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::unique_ptr<detail::AllocRecorder> recorder;
   std::unique_ptr<SavedTensorMeter> meter;
   std::unique_ptr<SavedTensorMeterGuard> meter_guard;
+  bool metering = false;  // the meter runs in the open step (AuditOptions::meter_every)
+  int64_t last_metered_step = -1;
   int64_t listener_id = 0;
   uint64_t step_thread = 0;
 
@@ -465,7 +467,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       return;
     }
     backward_depth += begin ? 1 : -1;
-    if (meter) {
+    if (metering) {
       if (begin) {
         if (meter_guard) {
           detail::name_saved_nodes(*meter, roots);  // Note [Naming nodes by sequence number]
@@ -1050,6 +1052,9 @@ Audit::Audit(c10::Device device, AuditOptions options)
       impl_->options.max_events() >= 0,
       "Audit: expected max_events >= 0, but got ", impl_->options.max_events());
   TORCH_CHECK(
+      impl_->options.meter_every() >= 1,
+      "Audit: expected meter_every >= 1 (meter every n-th step), but got ", impl_->options.meter_every());
+  TORCH_CHECK(
       impl_->options.max_points() >= 2,
       "Audit: expected max_points >= 2, but got ", impl_->options.max_points());
   TORCH_CHECK(
@@ -1262,7 +1267,8 @@ void Audit::begin_step() {
     s.origin_ns = s.now_ns();
     s.recording_started = true;
   }
-  if (s.meter) {
+  s.metering = s.meter && s.step_index % s.options.meter_every() == 0;
+  if (s.metering) {
     s.meter->reset();
     s.step_saved = SavedTensorReport();
     s.meter_guard = std::make_unique<SavedTensorMeterGuard>(*s.meter);
@@ -1312,15 +1318,18 @@ void Audit::end_step() {
     s.open = false;
     s.marked.reset();
   }
-  if (s.meter) {
+  if (s.metering) {
     s.close_meter();
     s.last_saved = s.step_saved;
+    s.last_metered_step = s.step_index;
   }
   StepRecord rec;
   rec.step = s.step_index;
   rec.time_ms = std::chrono::duration<double, std::milli>(
                     std::chrono::steady_clock::now() - s.wall_begin).count();
   rec.saved_activation_bytes = s.last_saved.saved_bytes;
+  rec.metered = s.metering;
+  s.metering = false;
   if (s.recorder && s.options.timeline()) {
     s.classify_step_events(s.recorder->take_events());
     const int64_t room = s.options.max_events() - static_cast<int64_t>(s.timeline.events.size());
@@ -1532,6 +1541,12 @@ AuditReport Audit::report() const {
         "{} B were live before the audit began and are no parameter, buffer, gradient, optimizer state or labelled "
         "tensor (a data set held in memory? name it with Audit::label()); the plot can hide this baseline",
         with_commas(s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)])));
+  }
+  if (s.meter && s.options.meter_every() > 1 && !s.steps.empty()) {
+    const auto metered = std::count_if(s.steps.begin(), s.steps.end(), [](const StepRecord& st) { return st.metered; });
+    r.notes.push_back(fmt::format(
+        "the meter ran once every {} steps ({} of {}; AuditOptions::meter_every): the saved bytes are step {}'s",
+        s.options.meter_every(), metered, s.steps.size(), s.last_metered_step));
   }
   if (s.last_saved.unowned_leaf_bytes > 0) {
     r.notes.push_back(fmt::format(

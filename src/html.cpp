@@ -186,7 +186,7 @@ std::string to_html(const AuditReport& r) {
     const auto& s = r.steps[i];
     h += fmt::format("<tr><td>{}</td><td class=\"n\">{:.1f}</td>", s.step, s.time_ms) + num(s.peak_bytes) +
          num(s.forward_peak_bytes) + num(s.backward_peak_bytes) + num(s.optimizer_peak_bytes) +
-         num(s.saved_activation_bytes) + "</tr>\n";
+         (s.metered ? num(s.saved_activation_bytes) : std::string("<td class=\"n\">not metered</td>")) + "</tr>\n";
   }
   if (summarize) {
     const auto sum = summarize_steps(r.steps);

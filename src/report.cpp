@@ -136,11 +136,16 @@ int64_t AuditReport::static_bytes() const {
 
 StepSummary summarize_steps(const std::vector<StepRecord>& steps) {
   TORCH_CHECK(!steps.empty(), "summarize_steps: no steps to summarize");
-  auto stat = [&](auto get) {
+  auto stat = [&](auto get, bool metered_only = false) {
     std::vector<int64_t> v;
     v.reserve(steps.size());
     for (const auto& s : steps) {
-      v.push_back(get(s));
+      if (s.metered || !metered_only) {
+        v.push_back(get(s));
+      }
+    }
+    if (v.empty()) {
+      return StepStat{};
     }
     std::sort(v.begin(), v.end());
     return StepStat{v.front(), v[(v.size() - 1) / 2], v.back()};
@@ -151,7 +156,7 @@ StepSummary summarize_steps(const std::vector<StepRecord>& steps) {
   sum.forward_peak_bytes = stat([](const StepRecord& s) { return s.forward_peak_bytes; });
   sum.backward_peak_bytes = stat([](const StepRecord& s) { return s.backward_peak_bytes; });
   sum.optimizer_peak_bytes = stat([](const StepRecord& s) { return s.optimizer_peak_bytes; });
-  sum.saved_activation_bytes = stat([](const StepRecord& s) { return s.saved_activation_bytes; });
+  sum.saved_activation_bytes = stat([](const StepRecord& s) { return s.saved_activation_bytes; }, true);
   sum.time_us = stat([](const StepRecord& s) { return static_cast<int64_t>(std::llround(s.time_ms * 1000.0)); });
   return sum;
 }
@@ -281,7 +286,8 @@ void to_json(Json& j, const AuditReport& r) {
                      {"forward_peak_bytes", s.forward_peak_bytes},
                      {"backward_peak_bytes", s.backward_peak_bytes},
                      {"optimizer_peak_bytes", s.optimizer_peak_bytes},
-                     {"saved_activation_bytes", s.saved_activation_bytes}});
+                     {"saved_activation_bytes", s.saved_activation_bytes},
+                     {"metered", s.metered}});
   }
   j["steps"] = steps;
   j["peak_bytes"] = r.peak_bytes;
@@ -365,6 +371,11 @@ void from_json(const Json& j, AuditReport& r) {
       rec.backward_peak_bytes = count_at(s, "backward_peak_bytes");
       rec.optimizer_peak_bytes = count_at(s, "optimizer_peak_bytes");
       rec.saved_activation_bytes = count_at(s, "saved_activation_bytes");
+      if (s.contains("metered")) {  // reports before AuditOptions::meter_every have none: all metered
+        TORCH_CHECK(s["metered"].is_boolean(), "report_from_json: expected \"metered\" of step ", rec.step,
+                    " to be true or false, but got ", s["metered"].dump());
+        rec.metered = s["metered"].get<bool>();
+      }
       r.steps.push_back(rec);
     }
     r.peak_bytes = count_at(j, "peak_bytes");

@@ -58,6 +58,12 @@ struct AuditOptions {
   TORCH_ARG(std::string, title) = "train";
   /// Meter what autograd saves in each step (saved bytes by node).
   TORCH_ARG(bool, meter) = true;
+  /// Meter every n-th step only: steps 0, n, 2n, ... (n >= 1). The meter
+  /// rides on saved-tensor hooks and is most of the audit's cost on steps of
+  /// small ops (docs/benchmarks.md). The other steps keep their exact peaks
+  /// and timeline; their StepRecord has `metered` false and the last metered
+  /// step's saved bytes.
+  TORCH_ARG(int64_t, meter_every) = 1;
   /// Record every allocation of the audited thread (CPU) for the timeline;
   /// costs a lock per allocation.
   TORCH_ARG(bool, timeline) = true;

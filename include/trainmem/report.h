@@ -44,6 +44,9 @@ struct StepRecord {
   int64_t backward_peak_bytes = 0;
   int64_t optimizer_peak_bytes = 0; ///< 0 when the step had no optimizer phase
   int64_t saved_activation_bytes = 0; ///< what autograd saved (meter), in bytes
+  /// The meter ran in this step. False: it did not (AuditOptions::meter(),
+  /// meter_every()), and saved_activation_bytes is the last metered step's.
+  bool metered = true;
 };
 
 /// Everything an audit found. Plain data: fill it yourself to render your own.
@@ -96,7 +99,8 @@ struct StepSummary {
   StepStat time_us; ///< wall time per step, in microseconds
 };
 
-/// Summarizes `steps` (all of them). Throws if `steps` is empty.
+/// Summarizes `steps` (all of them; saved_activation_bytes over the metered
+/// ones, zeros when none is). Throws if `steps` is empty.
 TRAINMEM_API StepSummary summarize_steps(const std::vector<StepRecord>& steps);
 
 /// Steps shown one row each in text and HTML; past it, the first few rows

@@ -203,7 +203,7 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   auto optimizer = detail::make_optimizer(t.optimizer(), model->parameters(), t.lr());
   DataParallel ddp(*model, pg, o.data_parallel());
   DistributedAudit audit(*model, optimizer.get(), pg, device,
-                         AuditOptions().title("reference transformer").timeline(t.timeline()));
+                         AuditOptions().title("reference transformer").timeline(t.timeline()).meter_every(t.meter_every()));
   audit.set_data_parallel(ddp);
   auto& a = audit.audit();
   a.set_config("layers", std::to_string(mo.num_layers()));

@@ -49,6 +49,7 @@ struct AuditFlags {
   uint64_t seed = 0;
   bool json = false;
   bool no_timeline = false;
+  int64_t meter_every = 1;
   bool force = false;
   std::string html, trace, snapshot;
   // Data-parallel ranks (--nproc N; distributed_trainer.h).
@@ -174,6 +175,7 @@ void run_audit(const AuditFlags& f) {
       .accumulation(f.accumulate)
       .seed(f.seed)
       .timeline(!f.no_timeline)
+      .meter_every(f.meter_every)
       .tf32(f.tf32);
   if (f.nproc != 1) {
     run_audit_distributed(f, o);
@@ -446,6 +448,9 @@ void add_audit_command(CLI::App& app) {
   sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE (- for stdout)")
       ->check(output_path());
   sub->add_flag("--no-timeline", f->no_timeline, "do not record allocator events (CPU)");
+  sub->add_option("--meter-every", f->meter_every, "meter saved tensors on steps 0, N, 2N, ... only")
+      ->check(int_in(1, 1000000))
+      ->capture_default_str();
   sub->add_option("--nproc", f->nproc, "data-parallel ranks: local processes on Gloo (--device cuda: NCCL, one GPU per rank), the batch split across them")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}))
       ->capture_default_str();
