@@ -42,10 +42,13 @@ constexpr size_t kHeader = 64;
 constexpr int kMaxWindows = 64;  // one bit each in Counters' window masks
 constexpr int kMaxRecorders = 64;
 // Header layout: size (int64), recorder tag (uint64), allocation time
-// (int64), epoch (uint64; Note [Blocks inherited through fork]).
+// (int64), epoch (uint64; Note [Blocks inherited through fork]), the
+// allocation's number in its recorder's log (int64, -1 if not logged;
+// detail::RecordedEvent).
 constexpr size_t kTagOffset = 8;
 constexpr size_t kTimeOffset = 16;
 constexpr size_t kEpochOffset = 24;
+constexpr size_t kSeqOffset = 32;
 
 // Note [Blocks inherited through fork]
 // A child made by fork() inherits the parent's live blocks and the counters
@@ -87,7 +90,8 @@ struct RecorderSlot {
   bool logging = false;
   int64_t max_events = 0;
   int64_t dropped = 0;
-  std::vector<CpuMemoryEvent> events;
+  int64_t next_seq = 0;  // of the next logged allocation
+  std::vector<detail::RecordedEvent> events;
   int64_t live = 0;
   int64_t window_peak = 0;  // of live + baseline
   // Note [A recorder's baseline]: bytes live when begin_baseline() ran that
@@ -129,8 +133,9 @@ int slot_of(uint64_t tag) {
   return static_cast<int>(tag & 0x7f) - 1;
 }
 
-// Never throws (allocation and free paths).
-void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr) noexcept {
+// Never throws (allocation and free paths). `block` is the header: an
+// allocation that is logged writes its number there, a free reads it.
+void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr, char* block) noexcept {
   const int slot = slot_of(tag);
   if (slot < 0 || slot >= kMaxRecorders) {
     return;
@@ -153,7 +158,14 @@ void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr) 
       ++r.dropped;
       return;
     }
-    r.events.push_back({time_ns, bytes, r.live, reinterpret_cast<uint64_t>(ptr)});
+    int64_t seq = -1;
+    if (bytes > 0) {
+      seq = r.next_seq++;
+      std::memcpy(block + kSeqOffset, &seq, sizeof(seq));
+    } else {
+      std::memcpy(&seq, block + kSeqOffset, sizeof(seq));
+    }
+    r.events.push_back({time_ns, bytes, reinterpret_cast<uint64_t>(ptr), seq});
   } catch (...) {
     // losing an event is acceptable; failing an allocation is not
   }
@@ -261,7 +273,7 @@ void counting_delete(void* data) {
   if (tag != 0 || baselines) {
     const int64_t t = now_since(c);  // one clock read for both
     if (tag != 0) {
-      to_recorder(tag, -size, t, data);
+      to_recorder(tag, -size, t, data, block);
     }
     if (baselines) {
       to_baselines(tag, size, alloc_ns, t, data);
@@ -282,6 +294,8 @@ class CountingAllocator final : public c10::Allocator {
     std::memcpy(static_cast<char*>(block) + kTimeOffset, &t, sizeof(t));
     const uint64_t epoch = g_epoch.load(std::memory_order_relaxed);
     std::memcpy(static_cast<char*>(block) + kEpochOffset, &epoch, sizeof(epoch));
+    constexpr int64_t kNotLogged = -1;
+    std::memcpy(static_cast<char*>(block) + kSeqOffset, &kNotLogged, sizeof(kNotLogged));
     void* data = static_cast<char*>(block) + kHeader;
     auto& c = counters();
     const int64_t now = c.allocated.fetch_add(size, std::memory_order_relaxed) + size;
@@ -292,7 +306,7 @@ class CountingAllocator final : public c10::Allocator {
     }
     log_event(c, size, now, data);
     if (tag != 0) {
-      to_recorder(tag, size, t, data);
+      to_recorder(tag, size, t, data, static_cast<char*>(block));
     }
     if (tls_alarm != nullptr && c10::GradMode::is_enabled() == tls_alarm_grad) {
       auto* alarm = tls_alarm;
@@ -414,6 +428,7 @@ AllocRecorder::AllocRecorder(int64_t max_events) : slot_(-1), tag_(0) {
       slots[i].logging = false;
       slots[i].max_events = max_events;
       slots[i].dropped = 0;
+      slots[i].next_seq = 0;
       slots[i].events.clear();
       slots[i].live = 0;
       slots[i].window_peak = 0;
@@ -438,7 +453,7 @@ AllocRecorder::~AllocRecorder() {
     if (r.baseline_on.exchange(false)) {
       g_num_baselines.fetch_sub(1);
     }
-    std::vector<CpuMemoryEvent>().swap(r.events);
+    std::vector<detail::RecordedEvent>().swap(r.events);
     std::vector<CpuMemoryEvent>().swap(r.baseline_frees);
   } catch (...) {
   }
@@ -457,9 +472,9 @@ void AllocRecorder::set_logging(bool on) {
   r.logging = on;
 }
 
-std::vector<CpuMemoryEvent> AllocRecorder::take_events() {
+std::vector<RecordedEvent> AllocRecorder::take_events() {
   auto& r = recorder_slots()[slot_];
-  std::vector<CpuMemoryEvent> out;
+  std::vector<RecordedEvent> out;
   std::lock_guard<SlotLock> lock(r.mutex);
   out.swap(r.events);
   // A loop's steps log about as many events each: room for as many again,
@@ -584,6 +599,8 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
   std::lock_guard<SlotLock> lock(r.mutex);
   // The storage is alive (we hold it), so its block cannot be freed meanwhile.
   tag.store(tag_);
+  constexpr int64_t kNotLogged = -1;  // a number from another recorder's log would mislead this one's
+  std::memcpy(block + kSeqOffset, &kNotLogged, sizeof(kNotLogged));
   r.live += size;
   if (r.in_baseline(owner, made_ns)) {
     r.baseline -= size;  // it was counted in the baseline; now it is ours

@@ -852,7 +852,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     return Category::kUnknown;
   }
 
-  void classify_step_events(std::vector<CpuMemoryEvent> raw) {
+  void classify_step_events(std::vector<detail::RecordedEvent> raw) {
     timeline.num_dropped_events += recorder->take_num_dropped();
     // Blocks of the baseline freed in this step leave "before the audit".
     for (const auto& f : recorder->take_baseline_frees()) {
@@ -892,7 +892,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       }
       push_event(e);
     };
-    auto from_raw = [&](const CpuMemoryEvent& r) {
+    auto from_raw = [&](const detail::RecordedEvent& r) {
       MemoryEvent e;
       e.time_ns = r.time_ns - origin_ns;
       e.bytes = r.bytes;
@@ -903,9 +903,43 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     };
     const auto by_time = [](const auto& a, const auto& b) { return a.time_ns < b.time_ns; };
     if (synthetic.empty() && std::is_sorted(raw.begin(), raw.end(), by_time)) {
-      // The usual step: one thread's events, already in time order.
+      // The usual step: one thread's events, already in time order. Most
+      // blocks are made and freed among them: those pair by the log's
+      // numbers, with no lookup (about a fifth of the classification's
+      // instructions went to `live`); what was made before goes through
+      // `live`, and what outlives them joins it.
+      constexpr size_t kNone = SIZE_MAX;
+      const auto first_made = std::find_if(raw.begin(), raw.end(), [](const auto& r) { return r.bytes > 0; });
+      const int64_t first = first_made == raw.end() ? INT64_MAX : first_made->seq;
+      std::vector<size_t> made;  // by seq - first: the allocation's event, or kNone
+      made.reserve(raw.size());
       for (const auto& r : raw) {
-        handle(from_raw(r), false);
+        const int64_t k = r.seq >= first ? r.seq - first : -1;  // -1: made before these events
+        if (r.bytes > 0 && k >= 0) {
+          MemoryEvent e = from_raw(r);
+          e.phase = phase_at(e.time_ns);
+          made.resize(std::max(made.size(), static_cast<size_t>(k)), kNone);  // a number lost to a failed push
+          made.push_back(push_event(e) ? timeline.events.size() - 1 : kNone);
+        } else if (r.bytes < 0 && k >= 0 && k < static_cast<int64_t>(made.size())) {
+          auto& slot = made[static_cast<size_t>(k)];
+          if (slot == kNone) {
+            continue;  // its allocation was dropped (the log was full): nothing to pair
+          }
+          auto& a = timeline.events[slot];
+          MemoryEvent e = from_raw(r);
+          e.phase = phase_at(e.time_ns);
+          a.category = category_of_freed(a, e.time_ns);
+          e.category = a.category;
+          slot = kNone;
+          push_event(e);
+        } else {
+          handle(from_raw(r), false);
+        }
+      }
+      for (const size_t i : made) {
+        if (i != kNone) {
+          live[timeline.events[i].address] = Alloc{i, false};
+        }
       }
     } else {
       // The recorder's events and this step's adoptions, in time order.

@@ -480,6 +480,64 @@ TEST(AuditTest, PrefetchedBatchAndCarriedStateCountOnce) {
   EXPECT_EQ(c.report.steps[2].peak_bytes, c.report.steps[3].peak_bytes);
 }
 
+// The timeline pairs each free with its allocation (by the recorder's log
+// numbers within a step, through the open blocks across steps): every free
+// carries its allocation's bytes and category, whichever step made it.
+TEST(AuditTest, EveryFreeCarriesItsAllocationsBytesAndCategory) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Linear lin(256, 256);
+  torch::optim::SGD opt(lin->parameters(), 0.01);
+  trainmem::Audit audit(*lin, &opt);
+  auto h = torch::zeros({32, 256});
+  std::optional<at::Tensor> kept;  // made at step 0's end, freed in step 2
+  const auto c = run_loop(audit, 4, [&](int i, auto&& step) {
+    auto x = torch::randn({32, 256});
+    step([&] {
+      if (i == 2) {
+        kept.reset();
+      }
+      opt.zero_grad();
+      auto y = torch::tanh(lin->forward(x) + h);
+      y.pow(2).mean().backward();
+      h = y.detach();
+      opt.step();
+      if (i == 0) {
+        kept = torch::ones({1000});
+      }
+    });
+  });
+  expect_peaks_equal_allocator(c, audit.timeline());
+  const auto& events = audit.timeline().events;
+  std::map<uint64_t, size_t> open;  // address -> its allocation's event
+  int64_t paired = 0;
+  std::optional<std::pair<size_t, size_t>> kept_events;
+  for (size_t i = 0; i < events.size(); ++i) {
+    const auto& e = events[i];
+    if (e.address == 0) {
+      continue;  // a block of the baseline, freed
+    }
+    if (e.bytes > 0) {
+      open[e.address] = i;
+      continue;
+    }
+    auto it = open.find(e.address);
+    ASSERT_NE(it, open.end()) << "a free at event " << i << " pairs with no allocation";
+    const auto& a = events[it->second];
+    EXPECT_EQ(a.bytes, -e.bytes) << "event " << i;
+    EXPECT_EQ(a.category, e.category) << "event " << i;
+    if (a.bytes == 4000 && a.step == 0 && e.step == 2) {
+      kept_events = std::make_pair(it->second, i);
+    }
+    open.erase(it);
+    ++paired;
+  }
+  EXPECT_GE(paired, 60);  // 76 with torch 2.13 on the CPU: the steps' own blocks
+  ASSERT_TRUE(kept_events.has_value());
+  // Made after the optimizer's step: held across steps, it is optimizer-step memory.
+  EXPECT_EQ(events[kept_events->second].category, Category::kOptimizerState);
+}
+
 // Issue: a GAN audited with the README's one-module line counted G's weights
 // as D's saved activations, silently. G's second Linear saves its weight for
 // its input's gradient (128 x 128 x 4 B); G's first saves only z.

@@ -18,6 +18,18 @@
 
 namespace trainmem::detail {
 
+// One event of a recorder's log: an allocation (bytes > 0) or a free, and
+// `seq`, which pairs them without a lookup. An allocation's `seq` is its own
+// number among the allocations this recorder logged (0, 1, 2, ...); a
+// free's is its allocation's, or -1 when this recorder did not log it (made
+// before logging began, dropped from a full log, or adopted).
+struct RecordedEvent {
+  int64_t time_ns = 0;  // tracker clock
+  int64_t bytes = 0;
+  uint64_t address = 0;
+  int64_t seq = -1;
+};
+
 class AllocRecorder {
  public:
   // Takes one of the process's recorder slots (64). Throws c10::Error when
@@ -35,9 +47,8 @@ class AllocRecorder {
 
   // Logs events from now on (frees of its blocks always update live bytes).
   void set_logging(bool on);
-  // The events logged so far, oldest first; clears the log. The events'
-  // allocated_bytes are this recorder's live bytes.
-  std::vector<CpuMemoryEvent> take_events();
+  // The events logged so far, oldest first; clears the log.
+  std::vector<RecordedEvent> take_events();
   // Events not logged because the log was full, since the last take_events().
   int64_t take_num_dropped();
   // Changes the cap of the log.
