@@ -472,11 +472,13 @@ void AllocRecorder::set_logging(bool on) {
   r.logging = on;
 }
 
-std::vector<RecordedEvent> AllocRecorder::take_events() {
+std::vector<RecordedEvent> AllocRecorder::take_events(std::vector<RecordedEvent> spare) {
   auto& r = recorder_slots()[slot_];
   std::vector<RecordedEvent> out;
+  spare.clear();
   std::lock_guard<SlotLock> lock(r.mutex);
   out.swap(r.events);
+  r.events.swap(spare);
   // A loop's steps log about as many events each: room for as many again,
   // so the next step's allocations (which log under the slot's lock) do not
   // regrow the log from empty (std::allocator: never the counting one).

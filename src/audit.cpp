@@ -784,6 +784,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     }
 #endif
   }
+  // Scratch of classify_step_events, kept between steps for their room.
+  std::vector<detail::RecordedEvent> spare_log;
+  std::vector<size_t> made_log;
   const MemoryEvent* populated_log = nullptr;
   uintptr_t populated_end = 0;
   bool populate_log = true;
@@ -852,7 +855,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     return Category::kUnknown;
   }
 
-  void classify_step_events(std::vector<detail::RecordedEvent> raw) {
+  void classify_step_events(const std::vector<detail::RecordedEvent>& raw) {
     timeline.num_dropped_events += recorder->take_num_dropped();
     // Blocks of the baseline freed in this step leave "before the audit".
     for (const auto& f : recorder->take_baseline_frees()) {
@@ -911,8 +914,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       constexpr size_t kNone = SIZE_MAX;
       const auto first_made = std::find_if(raw.begin(), raw.end(), [](const auto& r) { return r.bytes > 0; });
       const int64_t first = first_made == raw.end() ? INT64_MAX : first_made->seq;
-      std::vector<size_t> made;  // by seq - first: the allocation's event, or kNone
-      made.reserve(raw.size());
+      auto& made = made_log;  // by seq - first: the allocation's event, or kNone
+      made.clear();
       for (const auto& r : raw) {
         const int64_t k = r.seq >= first ? r.seq - first : -1;  // -1: made before these events
         if (r.bytes > 0 && k >= 0) {
@@ -1365,7 +1368,9 @@ void Audit::end_step() {
   rec.metered = s.metering;
   s.metering = false;
   if (s.recorder && s.options.timeline()) {
-    s.classify_step_events(s.recorder->take_events());
+    auto raw = s.recorder->take_events(std::move(s.spare_log));
+    s.classify_step_events(raw);
+    s.spare_log = std::move(raw);
     const int64_t room = s.options.max_events() - static_cast<int64_t>(s.timeline.events.size());
     s.recorder->set_max_events(room);  // the cap holds inside the next step too
   }

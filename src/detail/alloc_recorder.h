@@ -47,8 +47,10 @@ class AllocRecorder {
 
   // Logs events from now on (frees of its blocks always update live bytes).
   void set_logging(bool on);
-  // The events logged so far, oldest first; clears the log.
-  std::vector<RecordedEvent> take_events();
+  // The events logged so far, oldest first; clears the log. `spare`, a log
+  // taken before and done with, is logged into next: its room is reused
+  // (a step's log is tens of kilobytes; no allocation each step).
+  std::vector<RecordedEvent> take_events(std::vector<RecordedEvent> spare = {});
   // Events not logged because the log was full, since the last take_events().
   int64_t take_num_dropped();
   // Changes the cap of the log.
