@@ -23,7 +23,6 @@
 #include <torch/nn/modules/rnn.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
-#include <torch/nn/functional/loss.h>
 
 #include "trainmem/allocator.h"
 #include "trainmem/audit.h"

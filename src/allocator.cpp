@@ -49,6 +49,7 @@ constexpr size_t kTagOffset = 8;
 constexpr size_t kTimeOffset = 16;
 constexpr size_t kEpochOffset = 24;
 constexpr size_t kSeqOffset = 32;
+constexpr int64_t kNotLogged = -1;  // the number of a block that its recorder did not log
 
 // Note [Blocks inherited through fork]
 // A child made by fork() inherits the parent's live blocks and the counters
@@ -158,7 +159,7 @@ void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr, 
       ++r.dropped;
       return;
     }
-    int64_t seq = -1;
+    int64_t seq = kNotLogged;
     if (bytes > 0) {
       seq = r.next_seq++;
       std::memcpy(block + kSeqOffset, &seq, sizeof(seq));
@@ -294,7 +295,6 @@ class CountingAllocator final : public c10::Allocator {
     std::memcpy(static_cast<char*>(block) + kTimeOffset, &t, sizeof(t));
     const uint64_t epoch = g_epoch.load(std::memory_order_relaxed);
     std::memcpy(static_cast<char*>(block) + kEpochOffset, &epoch, sizeof(epoch));
-    constexpr int64_t kNotLogged = -1;
     std::memcpy(static_cast<char*>(block) + kSeqOffset, &kNotLogged, sizeof(kNotLogged));
     void* data = static_cast<char*>(block) + kHeader;
     auto& c = counters();
@@ -601,7 +601,7 @@ int64_t AllocRecorder::adopt(const c10::Storage& storage, int64_t* alloc_ns) {
   std::lock_guard<SlotLock> lock(r.mutex);
   // The storage is alive (we hold it), so its block cannot be freed meanwhile.
   tag.store(tag_);
-  constexpr int64_t kNotLogged = -1;  // a number from another recorder's log would mislead this one's
+  // A number from another recorder's log would mislead this one's.
   std::memcpy(block + kSeqOffset, &kNotLogged, sizeof(kNotLogged));
   r.live += size;
   if (r.in_baseline(owner, made_ns)) {

@@ -863,6 +863,15 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
           MemoryEvent{f.time_ns - origin_ns, f.bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
     }
     make_event_room(raw.size() + synthetic.size());
+    // A free `e` (its phase set) paired with its allocation `a`: the pair's
+    // category is decided now, unless the allocation's is final.
+    auto close_pair = [&](MemoryEvent& a, bool final, MemoryEvent e) {
+      if (!final) {
+        a.category = category_of_freed(a, e.time_ns);
+      }
+      e.category = a.category;
+      push_event(e);
+    };
     auto handle = [&](MemoryEvent e, bool adoption) {
       e.phase = phase_at(e.time_ns);
       if (adoption) {
@@ -881,13 +890,12 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         return;
       }
       if (auto it = live.find(e.address); it != live.end()) {
-        auto& a = timeline.events[it->second.event];
-        if (!it->second.final) {
-          a.category = category_of_freed(a, e.time_ns);
-        }
-        e.category = a.category;
+        const Alloc open = it->second;
         live.erase(it);
-      } else if (auto k = known.find(e.address); k != known.end()) {
+        close_pair(timeline.events[open.event], open.final, e);
+        return;
+      }
+      if (auto k = known.find(e.address); k != known.end()) {
         e.category = k->second;
         known.erase(k);
       } else {
@@ -928,13 +936,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
           if (slot == kNone) {
             continue;  // its allocation was dropped (the log was full): nothing to pair
           }
-          auto& a = timeline.events[slot];
           MemoryEvent e = from_raw(r);
           e.phase = phase_at(e.time_ns);
-          a.category = category_of_freed(a, e.time_ns);
-          e.category = a.category;
+          close_pair(timeline.events[slot], false, e);
           slot = kNone;
-          push_event(e);
         } else {
           handle(from_raw(r), false);
         }
