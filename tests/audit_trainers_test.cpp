@@ -17,6 +17,7 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/jit/serialization/import.h>
@@ -1124,4 +1125,54 @@ TEST(AuditTrainersTest, PhasesAreFoundWithAQuietWatcher) {
   EXPECT_EQ(at_cat(all.back(), Category::kOptimizerState), 2 * params);
   EXPECT_EQ(at_cat(all.back(), Category::kGradient), params);
   EXPECT_EQ(at_cat(all.back(), Category::kActivation), 0);
+}
+
+// A frozen encoder (captioning's pretrained CNN) runs with grad and builds no
+// graph. The step began in forward, so its first op is evidence enough: the
+// watcher leaves there, not at the decoder's first op, and the phases are
+// the same. A step that begins with the optimizer is still seen.
+TEST(AuditTrainersTest, AFrozenEncoderSendsTheWatcherAway) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Linear encoder(32, 32);
+  for (auto& p : encoder->parameters()) {
+    p.requires_grad_(false);
+  }
+  auto mlp = seed_mlp();
+  torch::optim::Adam opt(mlp->parameters(), 1e-3);
+  // No meter: its TorchScript callback would be a thread-local callback too.
+  trainmem::Audit audit(torch::kCPU, trainmem::AuditOptions().meter(false));
+  audit.add_module(*mlp);
+  audit.add_optimizer(opt);
+  ASSERT_FALSE(at::hasThreadLocalCallbacks());
+  for (int i = 0; i < 3; ++i) {
+    const auto x = torch::randn({16, 32});  // the batch, made before the step
+    auto step = audit.step();
+    if (i == 2) {
+      opt.step();  // this loop's order: the last step's update first
+    }
+    if (i < 2) {
+      EXPECT_TRUE(at::hasThreadLocalCallbacks()) << "step " << i;  // the watcher looks at the step's first ops
+    }
+    const auto h = encoder->forward(x);
+    ASSERT_FALSE(h.requires_grad());
+    if (i < 2) {
+      EXPECT_FALSE(at::hasThreadLocalCallbacks()) << "step " << i;  // and left at the encoder's
+    }
+    opt.zero_grad();
+    mlp->forward(h).pow(2).sum().backward();
+    if (i < 2) {
+      opt.step();
+    }
+  }
+  const auto r = audit.report();
+  const std::vector<std::string> expected = {"forward", "backward", "optimizer step (Adam)"};
+  EXPECT_EQ(phase_labels(r, 0), expected);
+  EXPECT_EQ(phase_labels(r, 1), expected);
+  // The step's first instants, before Adam's first op on a gradient, stay
+  // forward; after backward the guess is an optimizer step (none came).
+  EXPECT_EQ(phase_labels(r, 2), (std::vector<std::string>{"forward", "optimizer step (Adam)", "forward", "backward",
+                                                          "optimizer step"}));
+  const int64_t params = storage_bytes(mlp->parameters());
+  EXPECT_EQ(trainmem::testing::bucket_bytes_of(r, Category::kOptimizerState), 2 * params);
 }
