@@ -6,9 +6,13 @@
 // runs each test in a process of its own.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <set>
+
+#include <pthread.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -103,6 +107,32 @@ TEST(DistributedTest, TwoAndFourRanksMatchSingleProcess) {
     const double diff = max_abs_diff(run->grads, full.grads);
     EXPECT_LE(diff, 1e-6) << "max |grad difference| " << diff;
   }
+}
+
+// The threads of this process (Linux: one entry each in /proc/self/task).
+int thread_count() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    ++n;
+  }
+  return n;
+}
+
+std::atomic<int> g_most_threads_at_fork{0};
+
+// The launcher forks its ranks before it starts the store's server thread
+// (or any other): a thread running at fork() may hold a lock that the
+// child, which has none of the parent's other threads, then waits on for
+// ever (one 4-rank run in a CI run of 2026-12-05 had a rank that never
+// reached the store).
+TEST(DistributedTest, RanksAreForkedFromASingleThread) {
+  ASSERT_EQ(thread_count(), 1) << "this test must start with one thread";
+  ASSERT_EQ(pthread_atfork([] { g_most_threads_at_fork = std::max(g_most_threads_at_fork.load(), thread_count()); },
+                           nullptr, nullptr),
+            0);
+  const auto run = train_distributed(small_run(4));
+  EXPECT_EQ(run.report.ranks.size(), 4u);
+  EXPECT_EQ(g_most_threads_at_fork.load(), 1);
 }
 
 TEST(DistributedTest, GradientAsBucketViewKeepsOneCopy) {

@@ -5,7 +5,10 @@
 
 #include "app/distributed_trainer.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -346,6 +349,24 @@ bool failed(const RankExit& e) {
   return e.exited && !(WIFEXITED(e.status) && WEXITSTATUS(e.status) == 0);
 }
 
+// A TCP socket listening on 127.0.0.1 at a free port, and that port.
+std::pair<int, uint16_t> store_socket() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  TORCH_CHECK(fd >= 0, "train_distributed: cannot open the store's socket: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, SOMAXCONN) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    ::close(fd);
+    TORCH_CHECK(false, "train_distributed: cannot listen on 127.0.0.1 for the store: ", std::strerror(err));
+  }
+  return {fd, ntohs(addr.sin_port)};
+}
+
 } // namespace
 
 bool nccl_available() {
@@ -419,8 +440,11 @@ void check_distributed_trainer_options(const DistributedTrainerOptions& o) {
 // torchrun starts one process per rank; so do we, by fork() from the
 // launcher, so a ctest or `trainmem audit --nproc N` needs no second binary.
 // The launcher itself runs no ATen work before forking (OpenMP's thread pool
-// does not survive fork), hosts the TCPStore server (port 0: a free port)
-// and only waits: a rank's failure is its exit status (a signal when it was
+// does not survive fork) and starts no thread either: it binds the store's
+// listening socket (port 0: a free port), forks the ranks, and only then
+// hosts the TCPStore server on that socket (its thread, had it run at fork,
+// could have held a lock that the child would wait on forever; the ranks'
+// connections wait in the socket's backlog meanwhile). Then it only waits: a rank's failure is its exit status (a signal when it was
 // killed) plus the message it left in the store, numbered by a store counter
 // so the first failure is named, not the "connection closed" echoes of its
 // peers. On the first failure the others get a short grace, then SIGKILL:
@@ -435,32 +459,44 @@ DistributedRun train_distributed(const DistributedTrainerOptions& o) {
                 " ranks were asked for and ", devices,
                 " CUDA device(s) are visible (two ranks on one device fail in ncclCommInitRank)");
   }
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.numWorkers = static_cast<size_t>(world);
-  so.waitWorkers = false;
-  so.timeout = std::chrono::milliseconds(o.timeout_ms());
-  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-  const uint16_t port = server->getPort();
+  const auto [listen_fd, port] = store_socket();
 
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<pid_t> pids;
+  auto stop_ranks = [&] {
+    for (pid_t p : pids) {
+      ::kill(p, SIGKILL);
+      ::waitpid(p, nullptr, 0);
+    }
+  };
   for (int r = 0; r < world; ++r) {
     const pid_t pid = ::fork();
     if (pid == 0) {
+      ::close(listen_fd);
       rank_main(o, r, port);
     }
     if (pid < 0) {
       const int err = errno;
-      for (pid_t p : pids) {
-        ::kill(p, SIGKILL);
-        ::waitpid(p, nullptr, 0);
-      }
+      stop_ranks();
+      ::close(listen_fd);
       TORCH_CHECK(false, "train_distributed: cannot start rank ", r, ": fork failed: ", std::strerror(err));
     }
     pids.push_back(pid);
+  }
+  c10d::TCPStoreOptions so;
+  so.port = port;
+  so.isServer = true;
+  so.numWorkers = static_cast<size_t>(world);
+  so.waitWorkers = false;
+  so.timeout = std::chrono::milliseconds(o.timeout_ms());
+  so.masterListenFd = listen_fd;  // the server takes the socket over
+  c10::intrusive_ptr<c10d::TCPStore> server;
+  try {
+    server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  } catch (...) {
+    stop_ranks();
+    throw;
   }
 
   std::vector<RankExit> exits(static_cast<size_t>(world));
