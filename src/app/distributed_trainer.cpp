@@ -444,12 +444,13 @@ void check_distributed_trainer_options(const DistributedTrainerOptions& o) {
 // listening socket (port 0: a free port), forks the ranks, and only then
 // hosts the TCPStore server on that socket (its thread, had it run at fork,
 // could have held a lock that the child would wait on forever; the ranks'
-// connections wait in the socket's backlog meanwhile). Then it only waits: a rank's failure is its exit status (a signal when it was
-// killed) plus the message it left in the store, numbered by a store counter
-// so the first failure is named, not the "connection closed" echoes of its
-// peers. On the first failure the others get a short grace, then SIGKILL:
-// the run ends in bounded time even when a peer is stuck outside a
-// collective. Collectives and store operations time out after timeout_ms.
+// connections wait in the socket's backlog meanwhile). Then it only waits:
+// a rank's failure is its exit status (a signal when it was killed) plus the
+// message it left in the store, numbered by a store counter so the first
+// failure is named, not the "connection closed" echoes of its peers. On the
+// first failure the others get a short grace, then SIGKILL: the run ends in
+// bounded time even when a peer is stuck outside a collective. Collectives
+// and store operations time out after timeout_ms.
 DistributedRun train_distributed(const DistributedTrainerOptions& o) {
   check_distributed_trainer_options(o);
   const int world = static_cast<int>(o.nproc());
