@@ -304,7 +304,7 @@ BENCHMARK_TEMPLATE(BM_Loop, WordLm)->DenseRange(0, 1)->Unit(benchmark::kMillisec
 // its heap on free: the control read 0.83-0.87 with one).
 class Worker {
  public:
-  Worker() : cpu_((mallopt(M_ARENA_MAX, 1), sched_getcpu())), thread_([this] { loop(); }) {
+  Worker() : cpu_(one_arena_cpu()), thread_([this] { loop(); }) {
     restore_ = pthread_getaffinity_np(pthread_self(), sizeof(caller_), &caller_) == 0;
     pin(pthread_self());
   }
@@ -327,6 +327,12 @@ class Worker {
   }
 
  private:
+  // Holds glibc to one arena before the worker thread (initialized after
+  // cpu_) first allocates; the caller's CPU.
+  static int one_arena_cpu() {
+    mallopt(M_ARENA_MAX, 1);
+    return sched_getcpu();
+  }
   void pin(pthread_t t) const {
     if (cpu_ < 0) {
       return;

@@ -43,13 +43,13 @@ constexpr int kMaxWindows = 64;  // one bit each in Counters' window masks
 constexpr int kMaxRecorders = 64;
 // Header layout: size (int64), recorder tag (uint64), allocation time
 // (int64), epoch (uint64; Note [Blocks inherited through fork]), the
-// allocation's number in its recorder's log (int64, -1 if not logged;
+// allocation's number in its recorder's log (int64, kNotLogged if not logged;
 // detail::RecordedEvent).
 constexpr size_t kTagOffset = 8;
 constexpr size_t kTimeOffset = 16;
 constexpr size_t kEpochOffset = 24;
 constexpr size_t kSeqOffset = 32;
-constexpr int64_t kNotLogged = -1;  // the number of a block that its recorder did not log
+using detail::kNotLogged;
 
 // Note [Blocks inherited through fork]
 // A child made by fork() inherits the parent's live blocks and the counters

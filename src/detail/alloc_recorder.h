@@ -18,16 +18,19 @@
 
 namespace trainmem::detail {
 
+// The log number of a block that its recorder did not log.
+constexpr int64_t kNotLogged = -1;
+
 // One event of a recorder's log: an allocation (bytes > 0) or a free, and
 // `seq`, which pairs them without a lookup. An allocation's `seq` is its own
 // number among the allocations this recorder logged (0, 1, 2, ...); a
-// free's is its allocation's, or -1 when this recorder did not log it (made
-// before logging began, dropped from a full log, or adopted).
+// free's is its allocation's, or kNotLogged when this recorder did not log
+// it (made before logging began, dropped from a full log, or adopted).
 struct RecordedEvent {
   int64_t time_ns = 0;  // tracker clock
   int64_t bytes = 0;
   uint64_t address = 0;
-  int64_t seq = -1;
+  int64_t seq = kNotLogged;
 };
 
 class AllocRecorder {
