@@ -235,14 +235,15 @@ struct KeepHooks final : trainmem::SavedTensorHooks {
   at::Tensor unpack(const std::any& packed) override { return std::any_cast<at::Tensor>(packed); }
 };
 
-// The audit's options for arm 1 (all), 2 (no meter), 3 (no timeline), 4
-// (phases only) and 6 (all, the meter once every 10 steps), in BM_Loop and
-// BM_Paired alike.
+// The audit's options for arm 1 (all, the defaults: the meter on the steps
+// that differ), 2 (no meter), 3 (no timeline: then the meter runs every
+// step), 4 (phases only), and in BM_Paired 6 (all, the meter once every 10
+// steps) and 7 (all, the meter every step).
 trainmem::AuditOptions arm_options(int64_t arm) {
   return trainmem::AuditOptions()
-      .meter(arm == 1 || arm == 3 || arm == 6)
-      .timeline(arm == 1 || arm == 2 || arm == 6)
-      .meter_every(arm == 6 ? 10 : 1);
+      .meter(arm == 1 || arm == 3 || arm == 6 || arm == 7)
+      .timeline(arm != 3 && arm != 4)
+      .meter_every(arm == 6 ? 10 : arm == 7 ? 1 : 0);
 }
 
 // Arg 0: plain; 1: audited (the counting allocator is installed in both).
@@ -371,8 +372,9 @@ class Worker {
 // Worker's thread, which the audit does not record. Reports the median of the
 // per-iteration ratios (counter "ratio") beside both medians, and the ratio
 // of the sums (counter "mean_ratio": what a run pays, slow steps included).
-// Arg: the AuditOptions as in BM_Loop (1 audited, 2 no meter, 3 no
-// timeline, 4 phases only, 6 all with the meter once every 10 steps); 0 is
+// Arg: the AuditOptions as in BM_Loop (1 audited with the defaults, 2 no
+// meter, 3 no timeline, 4 phases only, 6 all with the meter once every 10
+// steps, 7 all with the meter every step); 0 is
 // the control, both copies plain (the method's own bias); 5 is no audit but
 // the second copy's step inside KeepHooks (its saves are in forward): the
 // floor of the meter's mechanism.
@@ -432,18 +434,25 @@ void BM_Paired(benchmark::State& state) {
   // compaction) hides from a median, never from a sum.
   state.counters["mean_ratio"] = std::accumulate(audited_ms.begin(), audited_ms.end(), 0.0) /
       std::accumulate(plain_ms.begin(), plain_ms.end(), 0.0);
+  if (arm != 0 && arm != 5) {
+    // The share of audited steps the meter ran in (AuditOptions::meter_every).
+    const auto steps = audit.report().steps;
+    state.counters["metered"] = static_cast<double>(std::count_if(
+                                    steps.begin(), steps.end(), [](const auto& st) { return st.metered; })) /
+        static_cast<double>(std::max<size_t>(steps.size(), 1));
+  }
   static const char* const kLabels[] = {"control: both plain", "audited", "audited, no meter", "audited, no timeline",
                                         "audited, phases only", "plain + saved-tensor hooks that keep the tensor",
-                                        "audited, meter every 10th step"};
+                                        "audited, meter every 10th step", "audited, meter every step"};
   state.SetLabel(kLabels[arm]);
 }
 
 BENCHMARK_TEMPLATE(BM_Loop, Decoder)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->MinTime(2.0);
-BENCHMARK_TEMPLATE(BM_Paired, Decoder)->DenseRange(0, 6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
-BENCHMARK_TEMPLATE(BM_Paired, WordLm)->Arg(0)->Arg(1)->Arg(6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
-BENCHMARK_TEMPLATE(BM_Paired, Gan)->DenseRange(0, 6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
-BENCHMARK_TEMPLATE(BM_Paired, ConvBn)->Arg(0)->Arg(1)->Arg(6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
-BENCHMARK_TEMPLATE(BM_Paired, Style)->Arg(0)->Arg(1)->Arg(6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
-BENCHMARK_TEMPLATE(BM_Paired, Captioning)->DenseRange(0, 6)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, Decoder)->DenseRange(0, 7)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, WordLm)->Arg(0)->Arg(1)->Arg(6)->Arg(7)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, Gan)->DenseRange(0, 7)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, ConvBn)->Arg(0)->Arg(1)->Arg(6)->Arg(7)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, Style)->Arg(0)->Arg(1)->Arg(6)->Arg(7)->Unit(benchmark::kMillisecond)->MinTime(4.0);
+BENCHMARK_TEMPLATE(BM_Paired, Captioning)->DenseRange(0, 7)->Unit(benchmark::kMillisecond)->MinTime(4.0);
 
 } // namespace

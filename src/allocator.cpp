@@ -92,6 +92,7 @@ struct RecorderSlot {
   int64_t max_events = 0;
   int64_t dropped = 0;
   int64_t next_seq = 0;  // of the next logged allocation
+  detail::AllocationShape shape;  // of the allocations since take_shape(), logged or not
   std::vector<detail::RecordedEvent> events;
   int64_t live = 0;
   int64_t window_peak = 0;  // of live + baseline
@@ -152,6 +153,9 @@ void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr, 
     }
     r.live += bytes;
     r.window_peak = std::max(r.window_peak, r.live + r.baseline);
+    if (bytes > 0) {
+      r.shape.add(bytes);
+    }
     if (!r.logging) {
       return;
     }
@@ -429,6 +433,7 @@ AllocRecorder::AllocRecorder(int64_t max_events) : slot_(-1), tag_(0) {
       slots[i].max_events = max_events;
       slots[i].dropped = 0;
       slots[i].next_seq = 0;
+      slots[i].shape = {};
       slots[i].events.clear();
       slots[i].live = 0;
       slots[i].window_peak = 0;
@@ -500,6 +505,14 @@ void AllocRecorder::set_max_events(int64_t max_events) {
   auto& r = recorder_slots()[slot_];
   std::lock_guard<SlotLock> lock(r.mutex);
   r.max_events = std::max<int64_t>(max_events, 0);
+}
+
+detail::AllocationShape AllocRecorder::take_shape() {
+  auto& r = recorder_slots()[slot_];
+  std::lock_guard<SlotLock> lock(r.mutex);
+  const auto shape = r.shape;
+  r.shape = {};
+  return shape;
 }
 
 int64_t AllocRecorder::live_bytes() const {

@@ -137,6 +137,11 @@ thread_local std::vector<std::weak_ptr<Audit::Impl>> tls_watchers;
 // without grad, kQuietStep (the step of an audit's only optimizer, once
 // seen) for one with grad (Note [Optimizer phases from ops]).
 enum class WatchMode { kOff, kFull, kQuietForward, kQuietStep };
+
+// Note [Metering the steps that differ]: on its default schedule the meter
+// runs at least once in this many steps, however steady the loop.
+constexpr int64_t kMeterAtLeastEvery = 10;
+
 // Note [The event log's pages]
 // The event log grows by a few hundred events (40 B each) a step until
 // max_events. The room is reserved at once, up to kEventRoom events
@@ -199,6 +204,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::unique_ptr<SavedTensorMeterGuard> meter_guard;
   bool metering = false;  // the meter runs in the open step (AuditOptions::meter_every)
   int64_t last_metered_step = -1;
+  // Note [Metering the steps that differ]
+  detail::AllocationShape metered_shape;  // the last metered step's allocations
+  bool steady = false;  // the last metered step repeated the step before it
+  bool previous_known = false;  // the step before was metered, or repeated the last metered one
   int64_t listener_id = 0;
   uint64_t step_thread = 0;
 
@@ -427,6 +436,91 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
 
   // The meter covers forward only, one micro-batch at a time: a step's
   // saved bytes are its largest micro-batch's, what backward holds at once.
+  // Note [Metering the steps that differ]: whether the meter runs in the
+  // step about to begin.
+  bool meters_next_step() const {
+    if (!meter) {
+      return false;
+    }
+    const int64_t every = options.meter_every();
+    if (every >= 1) {
+      return step_index % every == 0;
+    }
+    return !(recorder && steady && step_index - last_metered_step < kMeterAtLeastEvery);
+  }
+
+  // After a step: its record says whether it repeated the last metered step;
+  // whether the loop is steady is updated.
+  void judge_shape(StepRecord& rec) {
+    if (!meter) {
+      return;
+    }
+    std::optional<detail::AllocationShape> shape;
+    if (recorder) {
+      shape = recorder->take_shape();
+    }
+    if (metering) {
+      steady = shape && previous_known && *shape == metered_shape && same_saves(step_saved, last_saved);
+      metered_shape = shape.value_or(detail::AllocationShape{});
+      last_saved = step_saved;
+      last_metered_step = step_index;
+    } else if (shape && last_metered_step >= 0 && *shape == metered_shape) {
+      rec.repeats = last_metered_step;
+    } else {
+      steady = false;
+    }
+    previous_known = metering || rec.repeats >= 0;
+  }
+
+  // What the report says of the steps the meter skipped, if any.
+  std::optional<std::string> meter_note() const {
+    if (!meter) {
+      return std::nullopt;
+    }
+    int64_t metered = 0;
+    int64_t repeated = 0;
+    std::vector<int64_t> unknown;
+    for (const auto& st : steps) {
+      metered += st.metered ? 1 : 0;
+      repeated += st.repeats >= 0 ? 1 : 0;
+      if (!st.metered && st.repeats < 0) {
+        unknown.push_back(st.step);
+      }
+    }
+    if (metered == static_cast<int64_t>(steps.size())) {
+      return std::nullopt;
+    }
+    const int64_t every = options.meter_every();
+    std::string out = fmt::format(
+        "the meter ran on {} of {} steps (AuditOptions::meter_every({}): {}); ", metered, steps.size(), every,
+        every == 0 ? std::string("the steps that differ") : fmt::format("steps 0, {}, {}, ...", every, 2 * every));
+    if (repeated > 0) {
+      out += fmt::format(
+          "{} more repeated the metered step before them allocation for allocation, so their saved bytes are its; ",
+          repeated);
+    }
+    if (!unknown.empty()) {
+      std::string list;
+      for (size_t i = 0; i < std::min<size_t>(unknown.size(), 8); ++i) {
+        list += fmt::format("{}{}", i == 0 ? "" : ", ", unknown[i]);
+      }
+      if (unknown.size() > 8) {
+        list += ", ...";
+      }
+      out += fmt::format(
+          "{} step{} ({}) did not, and {} saved bytes are not known; ", unknown.size(),
+          unknown.size() == 1 ? "" : "s", list, unknown.size() == 1 ? "its" : "their");
+    }
+    return out + fmt::format("the saved bytes shown are step {}'s", last_metered_step);
+  }
+
+  static bool same_saves(const SavedTensorReport& a, const SavedTensorReport& b) {
+    return a.saved_bytes == b.saved_bytes && a.device_bytes == b.device_bytes && a.host_bytes == b.host_bytes &&
+        a.num_tensors == b.num_tensors && a.num_storages == b.num_storages &&
+        a.excluded_param_bytes == b.excluded_param_bytes && a.num_param_tensors == b.num_param_tensors &&
+        a.unowned_leaf_bytes == b.unowned_leaf_bytes;
+  }
+
   void close_meter() {
     if (!meter_guard) {
       return;
@@ -1103,8 +1197,9 @@ Audit::Audit(c10::Device device, AuditOptions options)
       impl_->options.max_events() >= 0,
       "Audit: expected max_events >= 0, but got ", impl_->options.max_events());
   TORCH_CHECK(
-      impl_->options.meter_every() >= 1,
-      "Audit: expected meter_every >= 1 (meter every n-th step), but got ", impl_->options.meter_every());
+      impl_->options.meter_every() >= 0,
+      "Audit: expected meter_every >= 0 (0: the steps that differ; n: every n-th step), but got ",
+      impl_->options.meter_every());
   TORCH_CHECK(
       impl_->options.max_points() >= 2,
       "Audit: expected max_points >= 2, but got ", impl_->options.max_points());
@@ -1318,7 +1413,10 @@ void Audit::begin_step() {
     s.origin_ns = s.now_ns();
     s.recording_started = true;
   }
-  s.metering = s.meter && s.step_index % s.options.meter_every() == 0;
+  if (s.recorder) {
+    s.recorder->take_shape();  // what was made between steps is not the step's
+  }
+  s.metering = s.meters_next_step();
   if (s.metering) {
     s.meter->reset();
     s.step_saved = SavedTensorReport();
@@ -1371,13 +1469,12 @@ void Audit::end_step() {
   }
   if (s.metering) {
     s.close_meter();
-    s.last_saved = s.step_saved;
-    s.last_metered_step = s.step_index;
   }
   StepRecord rec;
   rec.step = s.step_index;
   rec.time_ms = std::chrono::duration<double, std::milli>(
                     std::chrono::steady_clock::now() - s.wall_begin).count();
+  s.judge_shape(rec);
   rec.saved_activation_bytes = s.last_saved.saved_bytes;
   rec.metered = s.metering;
   s.metering = false;
@@ -1595,11 +1692,8 @@ AuditReport Audit::report() const {
         "tensor (a data set held in memory? name it with Audit::label()); the plot can hide this baseline",
         with_commas(s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)])));
   }
-  if (s.meter && s.options.meter_every() > 1 && !s.steps.empty()) {
-    const auto metered = std::count_if(s.steps.begin(), s.steps.end(), [](const StepRecord& st) { return st.metered; });
-    r.notes.push_back(fmt::format(
-        "the meter ran once every {} steps ({} of {}; AuditOptions::meter_every): the saved bytes are step {}'s",
-        s.options.meter_every(), metered, s.steps.size(), s.last_metered_step));
+  if (auto note = s.meter_note()) {
+    r.notes.push_back(*note);
   }
   if (s.last_saved.unowned_leaf_bytes > 0) {
     r.notes.push_back(fmt::format(

@@ -186,7 +186,8 @@ std::string to_html(const AuditReport& r) {
     const auto& s = r.steps[i];
     h += fmt::format("<tr><td>{}</td><td class=\"n\">{:.1f}</td>", s.step, s.time_ms) + num(s.peak_bytes) +
          num(s.forward_peak_bytes) + num(s.backward_peak_bytes) + num(s.optimizer_peak_bytes) +
-         (s.metered ? num(s.saved_activation_bytes) : std::string("<td class=\"n\">not metered</td>")) + "</tr>\n";
+         (s.metered || s.repeats >= 0 ? num(s.saved_activation_bytes)  // a repeat's are exact too
+                                       : std::string("<td class=\"n\">not known</td>")) + "</tr>\n";
   }
   if (summarize) {
     const auto sum = summarize_steps(r.steps);

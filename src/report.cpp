@@ -140,7 +140,7 @@ StepSummary summarize_steps(const std::vector<StepRecord>& steps) {
     std::vector<int64_t> v;
     v.reserve(steps.size());
     for (const auto& s : steps) {
-      if (s.metered || !metered_only) {
+      if (s.metered || s.repeats >= 0 || !metered_only) {
         v.push_back(get(s));
       }
     }
@@ -287,7 +287,8 @@ void to_json(Json& j, const AuditReport& r) {
                      {"backward_peak_bytes", s.backward_peak_bytes},
                      {"optimizer_peak_bytes", s.optimizer_peak_bytes},
                      {"saved_activation_bytes", s.saved_activation_bytes},
-                     {"metered", s.metered}});
+                     {"metered", s.metered},
+                     {"repeats", s.repeats}});
   }
   j["steps"] = steps;
   j["peak_bytes"] = r.peak_bytes;
@@ -375,6 +376,12 @@ void from_json(const Json& j, AuditReport& r) {
         TORCH_CHECK(s["metered"].is_boolean(), "report_from_json: expected \"metered\" of step ", rec.step,
                     " to be true or false, but got ", s["metered"].dump());
         rec.metered = s["metered"].get<bool>();
+      }
+      if (s.contains("repeats")) {  // reports before 2026-12-06 have none: none known
+        rec.repeats = int_value(s["repeats"], "\"repeats\" of step " + std::to_string(rec.step), -1,
+                                std::max<int64_t>(rec.step - 1, -1));
+        TORCH_CHECK(rec.repeats < 0 || !rec.metered, "report_from_json: step ", rec.step,
+                    " is metered, but \"repeats\" names step ", rec.repeats);
       }
       r.steps.push_back(rec);
     }

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -277,10 +278,11 @@ TEST(AuditTest, MisuseIsAClearError) {
   EXPECT_THROW(trainmem::Audit(*mlp, nullptr, c10::Device(c10::kCPU), trainmem::AuditOptions().max_points(1)),
                c10::Error);
   try {
-    trainmem::Audit(*mlp, nullptr, c10::Device(c10::kCPU), trainmem::AuditOptions().meter_every(0));
+    trainmem::Audit(*mlp, nullptr, c10::Device(c10::kCPU), trainmem::AuditOptions().meter_every(-1));
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("meter_every >= 1 (meter every n-th step), but got 0"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("meter_every >= 0 (0: the steps that differ; n: every n-th step), but got -1"),
+              std::string::npos)
         << e.what();
   }
 }
@@ -288,8 +290,9 @@ TEST(AuditTest, MisuseIsAClearError) {
 // AuditOptions::meter_every(3) over seven steps whose batch changes: steps
 // 0, 3 and 6 are metered, each exactly as an audit that meters every step
 // (2,304 B saved per sample: the seed MLP's 36,864 B for 16); the others
-// are marked unmetered and carry the last metered figure; the peaks and
-// the timeline are every step's all the same.
+// are marked unmetered and carry the last metered figure, and none repeated
+// the metered step before it (each batch differs from it), so none is
+// known; the peaks and the timeline are every step's all the same.
 TEST(AuditTest, MeterEveryNthStepMetersThoseStepsExactly) {
   trainmem::CpuMemoryTracker::install();
   const std::vector<int64_t> batch = {16, 8, 24, 8, 16, 24, 8};
@@ -315,6 +318,7 @@ TEST(AuditTest, MeterEveryNthStepMetersThoseStepsExactly) {
     EXPECT_TRUE(every.steps[i].metered);
     EXPECT_EQ(every.steps[i].saved_activation_bytes, 2304 * batch[i]);
     EXPECT_EQ(third.steps[i].metered, i % 3 == 0);
+    EXPECT_EQ(third.steps[i].repeats, -1);
     if (i % 3 == 0) {
       last_metered = every.steps[i].saved_activation_bytes;
     }
@@ -333,12 +337,117 @@ TEST(AuditTest, MeterEveryNthStepMetersThoseStepsExactly) {
   const auto note = std::find_if(third.notes.begin(), third.notes.end(),
                                  [](const std::string& n) { return n.find("meter_every") != std::string::npos; });
   ASSERT_NE(note, third.notes.end());
-  EXPECT_EQ(*note, "the meter ran once every 3 steps (3 of 7; AuditOptions::meter_every): the saved bytes are step 6's");
+  EXPECT_EQ(*note,
+            "the meter ran on 3 of 7 steps (AuditOptions::meter_every(3): steps 0, 3, 6, ...); 4 steps (1, 2, 4, 5) "
+            "did not, and their saved bytes are not known; the saved bytes shown are step 6's");
   // Which steps were metered survives a JSON round trip.
   const auto back = trainmem::report_from_json(trainmem::to_json(third));
   ASSERT_EQ(back.steps.size(), batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     EXPECT_EQ(back.steps[i].metered, i % 3 == 0) << "step " << i;
+  }
+}
+
+// The default schedule (AuditOptions::meter_every(0)) on a loop with Adam
+// whose batch shrinks once (step 14, as an epoch's last batch): steps 0 and
+// 1 differ (Adam makes its state in step 0), 1 and 2 are the same, so the
+// meter skips steps 3 to 11, each of which repeats step 2 allocation for
+// allocation; it runs again at step 12 (one in ten); step 14 makes other
+// allocations, so its saved bytes are not known and steps 15 and 16 are
+// metered. Every step known has an every-step audit's saved bytes exactly,
+// and peaks and timeline are the same.
+TEST(AuditTest, DefaultMetersTheStepsThatDiffer) {
+  trainmem::CpuMemoryTracker::install();
+  std::vector<int64_t> batch(20, 16);
+  batch[14] = 8;
+  auto run = [&](trainmem::AuditOptions options) {
+    torch::manual_seed(0);
+    auto mlp = seed_mlp();
+    torch::optim::Adam opt(mlp->parameters(), 1e-3);
+    trainmem::Audit audit(*mlp, &opt, c10::Device(c10::kCPU), options);
+    for (const auto b : batch) {
+      auto audited = audit.step();
+      opt.zero_grad();
+      mlp->forward(torch::randn({b, 32})).pow(2).sum().backward();
+      opt.step();
+    }
+    return std::make_pair(audit.report(), audit.timeline().events.size());
+  };
+  const auto [every, every_events] = run(trainmem::AuditOptions().meter_every(1));
+  const auto [fresh, fresh_events] = run(trainmem::AuditOptions());
+  ASSERT_EQ(fresh.steps.size(), batch.size());
+  std::vector<int64_t> metered;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i));
+    const auto& st = fresh.steps[i];
+    EXPECT_TRUE(every.steps[i].metered);
+    EXPECT_EQ(every.steps[i].repeats, -1);
+    EXPECT_EQ(every.steps[i].saved_activation_bytes, 2304 * batch[i]);
+    if (st.metered) {
+      metered.push_back(st.step);
+      EXPECT_EQ(st.repeats, -1);
+    }
+    if (st.metered || st.repeats >= 0) {
+      EXPECT_EQ(st.saved_activation_bytes, every.steps[i].saved_activation_bytes);
+    }
+    EXPECT_EQ(st.peak_bytes, every.steps[i].peak_bytes);
+    EXPECT_EQ(st.backward_peak_bytes, every.steps[i].backward_peak_bytes);
+  }
+  EXPECT_EQ(metered, (std::vector<int64_t>{0, 1, 2, 12, 15, 16}));
+  for (size_t i = 3; i <= 11; ++i) {
+    EXPECT_EQ(fresh.steps[i].repeats, 2) << "step " << i;
+  }
+  EXPECT_EQ(fresh.steps[13].repeats, 12);
+  EXPECT_EQ(fresh.steps[14].repeats, -1);  // batch 8: other allocations
+  EXPECT_FALSE(fresh.steps[14].metered);
+  for (size_t i = 17; i < batch.size(); ++i) {
+    EXPECT_EQ(fresh.steps[i].repeats, 16) << "step " << i;
+  }
+  EXPECT_EQ(fresh_events, every_events);
+  EXPECT_EQ(fresh.peak_by_category, every.peak_by_category);
+  EXPECT_EQ(fresh.saved_activation_bytes, 2304 * 16);
+  const auto note = std::find_if(fresh.notes.begin(), fresh.notes.end(),
+                                 [](const std::string& n) { return n.find("meter_every") != std::string::npos; });
+  ASSERT_NE(note, fresh.notes.end());
+  EXPECT_EQ(*note,
+            "the meter ran on 6 of 20 steps (AuditOptions::meter_every(0): the steps that differ); 13 more repeated "
+            "the metered step before them allocation for allocation, so their saved bytes are its; 1 step (14) did "
+            "not, and its saved bytes are not known; the saved bytes shown are step 16's");
+  // Summaries take the known steps (19 of batch 16), not step 14's carried figure.
+  const auto sum = trainmem::summarize_steps(fresh.steps);
+  EXPECT_EQ(sum.saved_activation_bytes.min, 2304 * 16);
+  EXPECT_EQ(sum.saved_activation_bytes.max, 2304 * 16);
+  // What repeated what survives a JSON round trip; a bad "repeats" is refused.
+  const auto back = trainmem::report_from_json(trainmem::to_json(fresh));
+  ASSERT_EQ(back.steps.size(), batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    EXPECT_EQ(back.steps[i].metered, fresh.steps[i].metered) << "step " << i;
+    EXPECT_EQ(back.steps[i].repeats, fresh.steps[i].repeats) << "step " << i;
+  }
+  auto j = nlohmann::json::parse(trainmem::to_json(fresh));
+  j["steps"][5]["repeats"] = 5;
+  try {
+    trainmem::report_from_json(j.dump());
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"repeats\" of step 5 to be a whole number in [-1, 4], but got 5"),
+              std::string::npos)
+        << e.what();
+  }
+  j["steps"][5]["repeats"] = 2;
+  j["steps"][2]["repeats"] = 1;
+  try {
+    trainmem::report_from_json(j.dump());
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 2 is metered, but \"repeats\" names step 1"), std::string::npos)
+        << e.what();
+  }
+  // Without the tracker's log nothing can be compared: every step is metered.
+  const auto blind = run(trainmem::AuditOptions().timeline(false)).first;
+  for (const auto& st : blind.steps) {
+    EXPECT_TRUE(st.metered) << "step " << st.step;
+    EXPECT_EQ(st.saved_activation_bytes, 2304 * batch[static_cast<size_t>(st.step)]);
   }
 }
 

@@ -94,6 +94,22 @@ std::vector<int64_t> saved_per_step(const trainmem::AuditReport& r) {
   return v;
 }
 
+// An audit on its defaults meters the steps that differ
+// (AuditOptions::meter_every(0)): over a loop of one shape, the first two
+// or three steps (an optimizer makes its state in the first, a carried
+// state first appears in the second), and one in ten after. Every other
+// step repeated a metered one allocation for allocation, so every step's
+// saved bytes are known, and a Python twin's per-step figures check them.
+void expect_repeats_known(const trainmem::AuditReport& r) {
+  int64_t metered = 0;
+  for (const auto& s : r.steps) {
+    metered += s.metered ? 1 : 0;
+    EXPECT_TRUE(s.metered || s.repeats >= 0) << "step " << s.step << " is neither metered nor a known repeat";
+    EXPECT_TRUE(s.repeats < 0 || r.steps[static_cast<size_t>(s.repeats)].metered) << "step " << s.step;
+  }
+  EXPECT_LE(metered, 4) << "of " << r.steps.size() << " steps";
+}
+
 std::vector<std::string> phase_labels(const trainmem::AuditReport& r, int64_t step) {
   std::vector<std::string> v;
   for (const auto& p : r.phases) {
@@ -225,7 +241,7 @@ TEST(AuditTrainersTest, MnistExampleMatchesPythonEveryStep) {
 
 TEST(AuditTrainersTest, DcganHasAPhasePerOptimizerAndItsAdamStateIsOptimizerState) {
   trainmem::CpuMemoryTracker::install();
-  constexpr int kSteps = 2, kNoise = 100, kBatch = 64;
+  constexpr int kSteps = 14, kNoise = 100, kBatch = 64;
   torch::manual_seed(0);
   DCGANGenerator generator(kNoise);
   auto discriminator = dcgan_discriminator();
@@ -284,6 +300,7 @@ TEST(AuditTrainersTest, DcganHasAPhasePerOptimizerAndItsAdamStateIsOptimizerStat
     GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
   }
   const auto py = oracle("dcgan " + std::to_string(kSteps));
+  expect_repeats_known(r);
   EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
   EXPECT_EQ(g_params, py.at("g_param_bytes").get<int64_t>());
   EXPECT_EQ(d_params, py.at("d_param_bytes").get<int64_t>());
@@ -391,7 +408,7 @@ TEST(AuditTrainersTest, ScriptedTrunkAndCppHeadMatchPythonEveryStep) {
     GTEST_SKIP() << "the scripted trunk is made by .venv's Python (torch.jit.script(...).save())";
   }
   trainmem::CpuMemoryTracker::install();
-  constexpr int kSteps = 5;
+  constexpr int kSteps = 14;
   const std::string path = ::testing::TempDir() + "trainmem_trunk.pt";
   const auto py = oracle("trunk " + std::to_string(kSteps) + " " + path);
   auto trunk = torch::jit::load(path);
@@ -421,6 +438,7 @@ TEST(AuditTrainersTest, ScriptedTrunkAndCppHeadMatchPythonEveryStep) {
   }
   const auto r = audit.report();
   // The trunk's weights are PARAMETER, never saved activations.
+  expect_repeats_known(r);
   EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
   EXPECT_EQ(storage_bytes(trunk_params), py.at("trunk_param_bytes").get<int64_t>());
   EXPECT_EQ(r.buckets[0].bytes, py.at("trunk_param_bytes").get<int64_t>() + py.at("head_param_bytes").get<int64_t>());
@@ -885,7 +903,7 @@ TORCH_MODULE(WordLm);
 
 TEST(AuditTrainersTest, TruncatedBpttWithCarriedStateMatchesPythonAndPlans) {
   auto& tracker = trainmem::CpuMemoryTracker::install();
-  constexpr int kSteps = 3;
+  constexpr int kSteps = 14;
   torch::manual_seed(0);
   WordLm model;
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
@@ -936,6 +954,7 @@ TEST(AuditTrainersTest, TruncatedBpttWithCarriedStateMatchesPythonAndPlans) {
     GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
   }
   const auto py = oracle("bptt " + std::to_string(kSteps));
+  expect_repeats_known(r);
   EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
   EXPECT_EQ(storage_bytes(model->parameters()), py.at("param_bytes").get<int64_t>());
 }
@@ -959,7 +978,7 @@ TORCH_MODULE(Decoder);
 
 TEST(AuditTrainersTest, RecurrentDecoderMatchesPythonAndPlans) {
   auto& tracker = trainmem::CpuMemoryTracker::install();
-  constexpr int kSteps = 3;
+  constexpr int kSteps = 14;
   torch::manual_seed(0);
   Decoder model;
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
@@ -1000,6 +1019,7 @@ TEST(AuditTrainersTest, RecurrentDecoderMatchesPythonAndPlans) {
     GTEST_SKIP() << "no .venv Python: the saved bytes are not checked against PyTorch";
   }
   const auto py = oracle("decoder " + std::to_string(kSteps));
+  expect_repeats_known(r);
   EXPECT_EQ(saved_per_step(r), py.at("saved_bytes").get<std::vector<int64_t>>());
   EXPECT_EQ(storage_bytes(model->parameters()), py.at("param_bytes").get<int64_t>());
   // Adam's exp_avg and exp_avg_sq, a bucket each.

@@ -58,12 +58,19 @@ struct AuditOptions {
   TORCH_ARG(std::string, title) = "train";
   /// Meter what autograd saves in each step (saved bytes by node).
   TORCH_ARG(bool, meter) = true;
-  /// Meter every n-th step only: steps 0, n, 2n, ... (n >= 1). The meter
-  /// rides on saved-tensor hooks and is most of the audit's cost on steps of
-  /// small ops (docs/benchmarks.md). The other steps keep their exact peaks
-  /// and timeline; their StepRecord has `metered` false and the last metered
-  /// step's saved bytes.
-  TORCH_ARG(int64_t, meter_every) = 1;
+  /// Which steps the meter runs in. It rides on saved-tensor hooks and is
+  /// most of the audit's cost on steps of small ops (docs/benchmarks.md).
+  /// 0 (the default): the steps that differ. Every step until two in a row
+  /// save the same and make the same allocations (count, sizes and order,
+  /// as the CPU tracker sees them); then one in ten, and any step after
+  /// one whose allocations differ from the last metered step's. 1: every
+  /// step. n > 1: steps 0, n, 2n, ... A step the meter skips keeps its
+  /// exact peaks and timeline; its StepRecord has `metered` false, the last
+  /// metered step's saved bytes, and `repeats` naming that step when its
+  /// allocations repeated it one for one (its saved bytes are then exact;
+  /// otherwise unknown). Without the CPU tracker's log (a CUDA device,
+  /// timeline(false)) nothing is compared, and 0 meters every step.
+  TORCH_ARG(int64_t, meter_every) = 0;
   /// Record every allocation of the audited thread (CPU) for the timeline;
   /// costs a lock per allocation.
   TORCH_ARG(bool, timeline) = true;

@@ -47,6 +47,11 @@ struct StepRecord {
   /// The meter ran in this step. False: it did not (AuditOptions::meter(),
   /// meter_every()), and saved_activation_bytes is the last metered step's.
   bool metered = true;
+  /// Not metered, but its allocations repeated those of this metered step
+  /// one for one (count, sizes and order, as the CPU tracker saw them), so
+  /// saved_activation_bytes is exact: the step's number. -1: metered, or
+  /// not known to repeat one (its saved bytes are then unknown).
+  int64_t repeats = -1;
 };
 
 /// Everything an audit found. Plain data: fill it yourself to render your own.
@@ -100,7 +105,7 @@ struct StepSummary {
 };
 
 /// Summarizes `steps` (all of them; saved_activation_bytes over the metered
-/// ones, zeros when none is). Throws if `steps` is empty.
+/// ones and those that repeated one, zeros when none is). Throws if `steps` is empty.
 TRAINMEM_API StepSummary summarize_steps(const std::vector<StepRecord>& steps);
 
 /// Steps shown one row each in text and HTML; past it, the first few rows

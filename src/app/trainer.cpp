@@ -68,7 +68,7 @@ void check_trainer_options(const TrainerOptions& o) {
   TORCH_CHECK(o.steps() >= 1, "expected steps >= 1, but got ", o.steps());
   (void)BlockCheckpointing::named(m.num_layers(), o.checkpoint());  // throws naming a bad name
   TORCH_CHECK(o.accumulation() >= 1, "expected accumulation >= 1, but got ", o.accumulation());
-  TORCH_CHECK(o.meter_every() >= 1, "expected meter_every >= 1, but got ", o.meter_every());
+  TORCH_CHECK(o.meter_every() >= 0, "expected meter_every >= 0 (0: the steps that differ), but got ", o.meter_every());
   TORCH_CHECK(m.batch() % o.accumulation() == 0, "expected batch ", m.batch(),
               " to split into accumulation ", o.accumulation(), " equal micro-batches");
   TORCH_CHECK(!(o.precision() == Precision::kFp16Autocast && o.optimizer_in_backward()),

@@ -63,8 +63,9 @@ struct TrainerOptions {
   TORCH_ARG(uint64_t, seed) = 0;
   /// Record the allocator timeline (CPU).
   TORCH_ARG(bool, timeline) = true;
-  /// Meter saved tensors once every n steps (AuditOptions::meter_every).
-  TORCH_ARG(int64_t, meter_every) = 1;
+  /// Which steps meter saved tensors (AuditOptions::meter_every): 0, the
+  /// steps that differ; n, every n-th.
+  TORCH_ARG(int64_t, meter_every) = 0;
   /// Copy the first step's gradients into TrainingRun::grads (after the
   /// step, so the copies are not in its figures). Not with optimizer_in_backward.
   TORCH_ARG(bool, keep_grads) = false;

@@ -33,6 +33,23 @@ struct RecordedEvent {
   int64_t seq = kNotLogged;
 };
 
+// The allocations a recorder saw over a stretch (a step): how many, their
+// bytes, and a hash of their sizes in order. Two steps of a loop with the
+// same shape are the same program on the same shapes, allocation for
+// allocation (Note [Metering the steps that differ]).
+struct AllocationShape {
+  int64_t allocations = 0;
+  int64_t bytes = 0;
+  uint64_t hash = 14695981039346656037ull;  // FNV-1a's offset basis
+
+  void add(int64_t size) noexcept {
+    ++allocations;
+    bytes += size;
+    hash = (hash ^ static_cast<uint64_t>(size)) * 1099511628211ull;  // FNV-1a's prime, a size per round
+  }
+  bool operator==(const AllocationShape&) const = default;
+};
+
 class AllocRecorder {
  public:
   // Takes one of the process's recorder slots (64). Throws c10::Error when
@@ -58,6 +75,11 @@ class AllocRecorder {
   int64_t take_num_dropped();
   // Changes the cap of the log.
   void set_max_events(int64_t max_events);
+
+  // The shape of the allocations made on attached threads since the last
+  // call (logged, dropped from a full log, or made while logging is off);
+  // starts the next one.
+  AllocationShape take_shape();
 
   // Bytes of live blocks that belong to this recorder.
   int64_t live_bytes() const;

@@ -49,7 +49,7 @@ struct AuditFlags {
   uint64_t seed = 0;
   bool json = false;
   bool no_timeline = false;
-  int64_t meter_every = 1;
+  int64_t meter_every = 0;
   bool force = false;
   std::string html, trace, snapshot;
   // Data-parallel ranks (--nproc N; distributed_trainer.h).
@@ -448,8 +448,8 @@ void add_audit_command(CLI::App& app) {
   sub->add_option("--snapshot", f->snapshot, "write a memory_viz snapshot (pickle) to FILE (- for stdout)")
       ->check(output_path());
   sub->add_flag("--no-timeline", f->no_timeline, "do not record allocator events (CPU)");
-  sub->add_option("--meter-every", f->meter_every, "meter saved tensors on steps 0, N, 2N, ... only")
-      ->check(int_in(1, 1000000))
+  sub->add_option("--meter-every", f->meter_every, "meter saved tensors on steps 0, N, 2N, ... only (1: every step; 0: the steps that differ)")
+      ->check(int_in(0, 1000000))
       ->capture_default_str();
   sub->add_option("--nproc", f->nproc, "data-parallel ranks: local processes on Gloo (--device cuda: NCCL, one GPU per rank), the batch split across them")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}))
