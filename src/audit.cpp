@@ -434,8 +434,6 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     return s;
   }
 
-  // The meter covers forward only, one micro-batch at a time: a step's
-  // saved bytes are its largest micro-batch's, what backward holds at once.
   // Note [Metering the steps that differ]: whether the meter runs in the
   // step about to begin.
   bool meters_next_step() const {
@@ -521,6 +519,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         a.unowned_leaf_bytes == b.unowned_leaf_bytes;
   }
 
+  // The meter covers forward only, one micro-batch at a time: a step's
+  // saved bytes are its largest micro-batch's, what backward holds at once.
   void close_meter() {
     if (!meter_guard) {
       return;

@@ -47,10 +47,11 @@ struct StepRecord {
   /// The meter ran in this step. False: it did not (AuditOptions::meter(),
   /// meter_every()), and saved_activation_bytes is the last metered step's.
   bool metered = true;
-  /// Not metered, but its allocations repeated those of this metered step
-  /// one for one (count, sizes and order, as the CPU tracker saw them), so
-  /// saved_activation_bytes is exact: the step's number. -1: metered, or
-  /// not known to repeat one (its saved bytes are then unknown).
+  /// A skipped step: the metered step whose allocations it repeated one for
+  /// one (count, sizes and order, as the CPU tracker saw them), so its
+  /// saved_activation_bytes are exact. -1: metered, or not known to repeat
+  /// one (its saved_activation_bytes are then the last metered step's, not
+  /// its own).
   int64_t repeats = -1;
 };
 
