@@ -207,7 +207,6 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // Note [Metering the steps that differ]
   detail::AllocationShape metered_shape;  // the last metered step's allocations
   bool steady = false;  // the last metered step repeated the step before it
-  bool previous_known = false;  // the step before was metered, or repeated the last metered one
   int64_t listener_id = 0;
   uint64_t step_thread = 0;
 
@@ -458,6 +457,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
       shape = recorder->take_shape();
     }
     if (metering) {
+      // The step before was metered, or repeated the last metered one.
+      const bool previous_known = !steps.empty() && (steps.back().metered || steps.back().repeats >= 0);
       steady = shape && previous_known && *shape == metered_shape && same_saves(step_saved, last_saved);
       metered_shape = shape.value_or(detail::AllocationShape{});
       last_saved = step_saved;
@@ -467,7 +468,6 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     } else {
       steady = false;
     }
-    previous_known = metering || rec.repeats >= 0;
   }
 
   // What the report says of the steps the meter skipped, if any.

@@ -5,6 +5,7 @@
 #include <string>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -287,6 +288,24 @@ TEST(AuditTest, MisuseIsAClearError) {
   }
 }
 
+// Audits the seed MLP one step per entry of `batch` (its rows), with an
+// `Optimizer` made with `lr`: the report and the timeline's event count.
+template <typename Optimizer>
+std::pair<trainmem::AuditReport, size_t> audit_mlp_steps(const std::vector<int64_t>& batch,
+                                                         trainmem::AuditOptions options, double lr) {
+  torch::manual_seed(0);
+  auto mlp = seed_mlp();
+  Optimizer opt(mlp->parameters(), lr);
+  trainmem::Audit audit(*mlp, &opt, c10::Device(c10::kCPU), std::move(options));
+  for (const auto b : batch) {
+    auto audited = audit.step();
+    opt.zero_grad();
+    mlp->forward(torch::randn({b, 32})).pow(2).sum().backward();
+    opt.step();
+  }
+  return std::make_pair(audit.report(), audit.timeline().events.size());
+}
+
 // AuditOptions::meter_every(3) over seven steps whose batch changes: steps
 // 0, 3 and 6 are metered, each exactly as an audit that meters every step
 // (2,304 B saved per sample: the seed MLP's 36,864 B for 16); the others
@@ -296,20 +315,10 @@ TEST(AuditTest, MisuseIsAClearError) {
 TEST(AuditTest, MeterEveryNthStepMetersThoseStepsExactly) {
   trainmem::CpuMemoryTracker::install();
   const std::vector<int64_t> batch = {16, 8, 24, 8, 16, 24, 8};
-  auto run = [&](int64_t every) {
-    auto mlp = seed_mlp();
-    torch::optim::SGD opt(mlp->parameters(), 0.01);
-    trainmem::Audit audit(*mlp, &opt, c10::Device(c10::kCPU), trainmem::AuditOptions().meter_every(every));
-    for (const auto b : batch) {
-      auto step = audit.step();
-      opt.zero_grad();
-      mlp->forward(torch::randn({b, 32})).pow(2).sum().backward();
-      opt.step();
-    }
-    return std::make_pair(audit.report(), audit.timeline().events.size());
-  };
-  const auto [every, every_events] = run(1);
-  const auto [third, third_events] = run(3);
+  const auto [every, every_events] =
+      audit_mlp_steps<torch::optim::SGD>(batch, trainmem::AuditOptions().meter_every(1), 0.01);
+  const auto [third, third_events] =
+      audit_mlp_steps<torch::optim::SGD>(batch, trainmem::AuditOptions().meter_every(3), 0.01);
   ASSERT_EQ(every.steps.size(), batch.size());
   ASSERT_EQ(third.steps.size(), batch.size());
   int64_t last_metered = 0;
@@ -361,17 +370,7 @@ TEST(AuditTest, DefaultMetersTheStepsThatDiffer) {
   std::vector<int64_t> batch(20, 16);
   batch[14] = 8;
   auto run = [&](trainmem::AuditOptions options) {
-    torch::manual_seed(0);
-    auto mlp = seed_mlp();
-    torch::optim::Adam opt(mlp->parameters(), 1e-3);
-    trainmem::Audit audit(*mlp, &opt, c10::Device(c10::kCPU), options);
-    for (const auto b : batch) {
-      auto audited = audit.step();
-      opt.zero_grad();
-      mlp->forward(torch::randn({b, 32})).pow(2).sum().backward();
-      opt.step();
-    }
-    return std::make_pair(audit.report(), audit.timeline().events.size());
+    return audit_mlp_steps<torch::optim::Adam>(batch, std::move(options), 1e-3);
   };
   const auto [every, every_events] = run(trainmem::AuditOptions().meter_every(1));
   const auto [fresh, fresh_events] = run(trainmem::AuditOptions());
