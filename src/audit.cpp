@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/flat_hash_map.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adagrad.h>
@@ -121,12 +122,6 @@ struct Alloc {
   bool final = false;     // category decided
 };
 
-// The state tensors of one optimizer (Note [One optimizer-state walk]; a
-// state of another type gives none: it is classified by when it was made).
-void state_tensors(const torch::optim::Optimizer& opt, std::vector<at::Tensor>& out) {
-  detail::for_each_state_tensor(opt, [&](const std::string&, const at::Tensor& t) { out.push_back(t); });
-}
-
 // Per-thread list of the audits whose step is open on this thread, and the
 // one RecordFunction callback that serves them (Note [Optimizer phases from
 // ops]). Entries are weak: an audit destroyed on another thread is skipped
@@ -177,10 +172,56 @@ void on_watch_end(const at::RecordFunction& fn, at::ObserverContext*);
 } // namespace
 
 struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
+  using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  // Note [Optimizers that come and go]
+  // LibTorch's optimizers have no destruction hook, and a loop may make one
+  // per epoch (often at the same stack address), rebuild it in a scheduler,
+  // or drop it before report(). So an added optimizer is read only while it
+  // is known to be alive, and what the report needs is kept as of its last
+  // read:
+  //  - report() never reads an optimizer: each one's state figures are kept
+  //    from add_optimizer() and from every step end where its state tensors
+  //    changed.
+  //  - An optimizer is retired (never read again, its figures kept) when
+  //    add_optimizer() is given another one at its address or over any of
+  //    its parameters (the new one takes its name and phase), or when every
+  //    state tensor it held at its last read is gone (destroyed).
+  //  - A stateless one (plain SGD, or any before its first step) cannot be
+  //    seen to die: plain SGD is never read after add_optimizer(), and the
+  //    others only at the end of a step in which their parameters' update
+  //    ran. The limit: an optimizer destroyed before its first step while
+  //    another, not added, steps its parameters.
+  // The same object added twice stays one optimizer.
   struct NamedOptimizer {
     const torch::optim::Optimizer* optimizer;
     std::string name;   // phase name
     int64_t group = 0;  // optimizers added in one call share a phase (OptimizerInBackward)
+    bool retired = false;
+    int64_t retired_before = -1;  // the first step it was not part of
+    std::string retired_why;
+    bool plain_sgd = false;       // never holds state: read once
+    bool stepped = false;         // its parameters' update ran in the open step
+    bool unknown_state = false;   // a state type the walk cannot read: figures refreshed each step
+    // Its state tensors at the last read: the impls to see a change, weak
+    // references to see it die.
+    std::vector<const c10::TensorImpl*> state_impls;
+    std::vector<WeakTensor> state_refs;
+    // Its parameters at the last read (gradients are read through them).
+    std::vector<WeakTensor> params;
+    std::string type;       // "Adam", "SGD", ... or "optimizer"
+    StaticBuckets figures;  // state bytes as of the last read
+  };
+  struct AuditedModule {
+    const torch::nn::Module* raw;           // for a module no shared_ptr owns
+    std::weak_ptr<const torch::nn::Module> weak;  // for one that a holder or make_shared owns
+    bool shared = false;
+    const torch::nn::Module* get() const {
+      if (!shared) {
+        return raw;
+      }
+      auto m = weak.lock();
+      return m ? m.get() : nullptr;  // the owner outlives this call: its holder is the user's
+    }
   };
   struct Label {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
@@ -190,9 +231,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     bool bucket = true;  // shown as a bucket of the report (label()), or only a timeline category (set_category())
   };
 
-  std::vector<const torch::nn::Module*> modules;
+  std::vector<AuditedModule> modules;
   std::vector<at::Tensor> optimized_inputs;  // add_optimized_input(): leaves of no module
-  std::vector<const torch::jit::Module*> jit_modules;
+  // TorchScript modules, held weakly: a module gone is skipped.
+  std::vector<c10::weak_intrusive_ptr<c10::ivalue::Object>> jit_modules;
   std::vector<NamedOptimizer> optimizers;
   int64_t num_groups = 0;
   std::vector<Label> labels;
@@ -263,14 +305,18 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
         out.push_back(p);
       }
     };
-    for (const auto* m : modules) {
-      for (const auto& p : m->parameters()) {
-        add(p);
+    for (const auto& am : modules) {
+      if (const auto* m = am.get()) {
+        for (const auto& p : m->parameters()) {
+          add(p);
+        }
       }
     }
-    for (const auto* m : jit_modules) {
-      for (const auto& p : m->parameters()) {
-        add(p);
+    for (const auto& w : jit_modules) {
+      if (auto obj = w.lock()) {
+        for (const auto& p : torch::jit::Module(std::move(obj)).parameters()) {
+          add(p);
+        }
       }
     }
     return out;
@@ -281,14 +327,18 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // buckets name the same bytes.
   std::vector<at::Tensor> buffers() const {
     std::vector<at::Tensor> out;
-    for (const auto* m : modules) {
-      for (const auto& b : m->buffers()) {
-        out.push_back(b);
+    for (const auto& am : modules) {
+      if (const auto* m = am.get()) {
+        for (const auto& b : m->buffers()) {
+          out.push_back(b);
+        }
       }
     }
-    for (const auto* m : jit_modules) {
-      for (const auto& b : m->buffers()) {
-        out.push_back(b);
+    for (const auto& w : jit_modules) {
+      if (auto obj = w.lock()) {
+        for (const auto& b : torch::jit::Module(std::move(obj)).buffers()) {
+          out.push_back(b);
+        }
       }
     }
     return out;
@@ -330,7 +380,10 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     }
     std::map<std::string, StateBytes> by_name;
     for (const auto& o : optimizers) {
-      const auto ob = account(*u, *o.optimizer);
+      if (o.retired) {
+        continue;  // gone by the last step: a note says what it held
+      }
+      const auto& ob = o.figures;  // never read here (Note [Optimizers that come and go])
       b.optimizer_state_bytes += ob.optimizer_state_bytes;
       for (const auto& st : ob.state_by_name) {
         auto& e = by_name[st.name];
@@ -349,11 +402,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // Storages we can name now: category by block address.
   std::unordered_map<uint64_t, Category> owners() const {
     std::unordered_map<uint64_t, Category> o;
-    std::vector<at::Tensor> state;
-    for (const auto& opt : optimizers) {
-      state_tensors(*opt.optimizer, state);
-    }
-    for (const auto& t : state) {
+    for (const auto& t : held_state()) {
       o[storage_address(t)] = Category::kOptimizerState;
     }
     for (const auto& l : labels) {
@@ -536,13 +585,14 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   void refresh_grad_owners() {
     grad_owner.clear();
     for (size_t i = 0; i < optimizers.size(); ++i) {
-      for (const auto& g : optimizers[i].optimizer->param_groups()) {
-        for (const auto& p : g.params()) {
-          if (p.grad().defined()) {
-            grad_owner[storage_key(p.grad())] = static_cast<int64_t>(i);
-          }
-        }
+      if (optimizers[i].retired) {
+        continue;
       }
+      for_each_param(optimizers[i], [&](const at::Tensor& p) {
+        if (p.grad().defined()) {
+          grad_owner[storage_key(p.grad())] = static_cast<int64_t>(i);
+        }
+      });
     }
     grad_owner.erase(nullptr);
   }
@@ -550,14 +600,150 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   void refresh_param_owners() {
     param_owner.clear();
     for (size_t i = 0; i < optimizers.size(); ++i) {
-      for (const auto& g : optimizers[i].optimizer->param_groups()) {
-        for (const auto& p : g.params()) {
-          param_owner[storage_key(p)] = static_cast<int64_t>(i);
-        }
+      auto& o = optimizers[i];
+      o.stepped = false;
+      if (o.retired) {
+        continue;
       }
+      if (state_gone(o)) {
+        retire(o, "destroyed");
+        continue;
+      }
+      for_each_param(o, [&](const at::Tensor& p) { param_owner[storage_key(p)] = static_cast<int64_t>(i); });
     }
     param_owner.erase(nullptr);
     refresh_grad_owners();
+  }
+
+  // Note [Optimizers that come and go]: the parameters as of the last read.
+  template <typename F>
+  static void for_each_param(const NamedOptimizer& o, F&& f) {
+    for (const auto& w : o.params) {
+      if (auto impl = w.lock()) {
+        f(at::Tensor(std::move(impl)));
+      }
+    }
+  }
+
+  // Every state tensor it held at its last read is gone: it was destroyed.
+  static bool state_gone(const NamedOptimizer& o) {
+    if (o.state_refs.empty()) {
+      return false;  // stateless: cannot tell
+    }
+    return std::all_of(o.state_refs.begin(), o.state_refs.end(), [](const auto& w) { return w.expired(); });
+  }
+
+  void retire(NamedOptimizer& o, const char* why) {
+    o.retired = true;
+    o.retired_before = step_index;
+    o.retired_why = why;
+    o.state_refs.clear();
+    o.params.clear();
+  }
+
+  // Reads a live optimizer: its parameters, its state tensors and, when
+  // they changed, its state figures (Note [Optimizers that come and go]).
+  void read_optimizer(NamedOptimizer& o, bool force_figures) {
+    const auto& opt = *o.optimizer;
+    o.params.clear();
+    for (const auto& g : opt.param_groups()) {
+      for (const auto& p : g.params()) {
+        if (p.defined()) {
+          o.params.emplace_back(p.getIntrusivePtr());
+        }
+      }
+    }
+    if (o.plain_sgd) {
+      return;
+    }
+    std::vector<const c10::TensorImpl*> impls;
+    std::vector<at::Tensor> held;
+    bool unknown = false;
+    detail::for_each_state_tensor(
+        opt,
+        [&](const std::string&, const at::Tensor& t) {
+          if (t.defined()) {
+            impls.push_back(t.unsafeGetTensorImpl());
+            held.push_back(t);
+          }
+        },
+        [&](const torch::optim::OptimizerParamState&) { unknown = true; });
+    o.unknown_state = unknown;
+    if (!force_figures && !unknown && impls == o.state_impls) {
+      return;
+    }
+    o.state_impls = std::move(impls);
+    o.state_refs.clear();
+    for (const auto& t : held) {
+      o.state_refs.emplace_back(t.getIntrusivePtr());
+    }
+    try {
+      o.figures = account(*union_module(), opt);
+    } catch (const c10::Error& e) {
+      TORCH_WARN("trainmem audit: the state of optimizer '", o.name, "' was not read: ", e.what_without_backtrace());
+    }
+  }
+
+  // At a step's end: the optimizers whose state may have changed are read
+  // again, those whose state is gone retired.
+  void read_optimizers_after_step() {
+    for (auto& o : optimizers) {
+      if (o.retired || o.plain_sgd) {
+        continue;
+      }
+      if (state_gone(o)) {
+        retire(o, "destroyed");
+      } else if (o.stepped || o.state_impls.empty() || o.unknown_state) {
+        read_optimizer(o, /*force_figures=*/false);
+      }
+    }
+  }
+
+  // The optimizers retired during the audit, by name (Note [Optimizers that
+  // come and go]).
+  std::optional<std::string> retired_note() const {
+    std::map<std::string, std::vector<const NamedOptimizer*>> by_name;
+    for (const auto& o : optimizers) {
+      if (o.retired) {
+        by_name[o.name].push_back(&o);
+      }
+    }
+    if (by_name.empty()) {
+      return std::nullopt;
+    }
+    std::vector<std::string> parts;
+    for (const auto& [name, list] : by_name) {
+      std::vector<std::string> when;
+      for (const auto* o : list) {
+        if (when.size() == 4 && list.size() > 5) {
+          when.push_back("...");
+          break;
+        }
+        when.push_back(fmt::format("before step {} ({}; its state then {} B)", o->retired_before, o->retired_why,
+                                   with_commas(o->figures.optimizer_state_bytes)));
+      }
+      parts.push_back(fmt::format("'{}' {} time{}: {}", name, list.size(), list.size() == 1 ? "" : "s",
+                                  fmt::join(when, ", ")));
+    }
+    return fmt::format("optimizers were replaced or destroyed during the audit, and are read no more: {}; the "
+                       "buckets count the optimizers alive at the last step",
+                       fmt::join(parts, "; "));
+  }
+
+  // The state tensors the optimizers held at their last read, still alive.
+  std::vector<at::Tensor> held_state() const {
+    std::vector<at::Tensor> out;
+    for (const auto& o : optimizers) {
+      if (o.retired) {
+        continue;
+      }
+      for (const auto& w : o.state_refs) {
+        if (auto impl = w.lock()) {
+          out.emplace_back(std::move(impl));
+        }
+      }
+    }
+    return out;
   }
 
   void on_backward(bool begin, const torch::autograd::edge_list& roots) {
@@ -609,6 +795,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   // An op of optimizer `opt` ran (Note [Optimizer phases from ops]).
   void on_optimizer_op(int64_t opt) {
     auto& cur = spans.back();
+    optimizers[static_cast<size_t>(opt)].stepped = true;
     const int64_t group = optimizers[static_cast<size_t>(opt)].group;
     if (cur.phase == Phase::kOptimizerStep && cur.optimizer == group) {
       return;
@@ -827,10 +1014,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     origin_ns = recorder->begin_baseline();
     recording_started = false;  // adopt() into the baseline
     std::vector<std::pair<c10::Storage, Category>> named;
-    std::vector<at::Tensor> state;
-    for (const auto& opt : optimizers) {
-      state_tensors(*opt.optimizer, state);
-    }
+    const auto state = held_state();
     auto add = [&](const at::Tensor& t, Category c) {
       if (t.defined() && t.has_storage()) {
         named.emplace_back(t.storage(), c);
@@ -1080,13 +1264,14 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     // module, about 0.5 % of a step of small ops) is made only for the rest.
     std::vector<uint64_t> grads;
     for (const auto& opt : optimizers) {
-      for (const auto& g : opt.optimizer->param_groups()) {
-        for (const auto& p : g.params()) {
-          if (p.grad().defined()) {
-            grads.push_back(storage_address(p.grad()));
-          }
-        }
+      if (opt.retired) {
+        continue;
       }
+      for_each_param(opt, [&](const at::Tensor& p) {
+        if (p.grad().defined()) {
+          grads.push_back(storage_address(p.grad()));
+        }
+      });
     }
     std::optional<std::unordered_map<uint64_t, Category>> own;
     for (auto& [address, a] : live) {
@@ -1262,9 +1447,13 @@ Audit::~Audit() {
 void Audit::add_module(const torch::nn::Module& module) {
   auto& s = *impl_;
   TORCH_CHECK(!s.open, "Audit::add_module: call it outside a step (step ", s.step_index, " is open)");
-  TORCH_CHECK(std::find(s.modules.begin(), s.modules.end(), &module) == s.modules.end(),
+  TORCH_CHECK(std::none_of(s.modules.begin(), s.modules.end(), [&](const auto& m) { return m.get() == &module; }),
               "Audit::add_module: module '", module.name(), "' was added already");
-  s.modules.push_back(&module);
+  // Held weakly where a shared_ptr owns it (a module holder): a module gone
+  // before report() is then skipped, never read.
+  Impl::AuditedModule m{&module, module.weak_from_this(), false};
+  m.shared = !m.weak.expired();
+  s.modules.push_back(std::move(m));
   if (s.meter) {
     s.meter->exclude(module);
   }
@@ -1273,9 +1462,10 @@ void Audit::add_module(const torch::nn::Module& module) {
 void Audit::add_module(const torch::jit::Module& module) {
   auto& s = *impl_;
   TORCH_CHECK(!s.open, "Audit::add_module: call it outside a step (step ", s.step_index, " is open)");
-  TORCH_CHECK(std::find(s.jit_modules.begin(), s.jit_modules.end(), &module) == s.jit_modules.end(),
+  TORCH_CHECK(std::none_of(s.jit_modules.begin(), s.jit_modules.end(),
+                           [&](const auto& w) { return w.lock() == module._ivalue(); }),
               "Audit::add_module: this TorchScript module was added already");
-  s.jit_modules.push_back(&module);
+  s.jit_modules.emplace_back(module._ivalue());
   if (s.meter) {
     for (const auto& p : module.parameters()) {
       s.meter->exclude(p);
@@ -1298,9 +1488,6 @@ std::string optimizer_type(const torch::optim::Optimizer& o) {
 void Audit::add_optimizer(const torch::optim::Optimizer& optimizer, std::string name) {
   auto& s = *impl_;
   TORCH_CHECK(!s.open, "Audit::add_optimizer: call it outside a step (step ", s.step_index, " is open)");
-  for (const auto& o : s.optimizers) {
-    TORCH_CHECK(o.optimizer != &optimizer, "Audit::add_optimizer: optimizer '", o.name, "' was added already");
-  }
   std::unordered_set<const c10::TensorImpl*> audited;
   for (const auto& p : s.parameters()) {
     audited.insert(p.unsafeGetTensorImpl());
@@ -1320,17 +1507,75 @@ void Audit::add_optimizer(const torch::optim::Optimizer& optimizer, std::string 
               " parameters are not parameters of an audited module; add their module first "
               "(Audit::add_module), or, for a tensor of no module the loop optimizes (an image), "
               "Audit::add_optimized_input");
-  if (name.empty()) {
-    name = optimizer_type(optimizer);
+  // Note [Optimizers that come and go]: the same object again stays one
+  // optimizer; another at its address or over its parameters replaces it.
+  std::unordered_set<const c10::TensorImpl*> mine;
+  for (const auto& g : optimizer.param_groups()) {
+    for (const auto& p : g.params()) {
+      mine.insert(p.unsafeGetTensorImpl());
+    }
+  }
+  std::unordered_set<const c10::TensorImpl*> state_now;
+  detail::for_each_state_tensor(optimizer, [&](const std::string&, const at::Tensor& t) {
+    if (t.defined()) {
+      state_now.insert(t.unsafeGetTensorImpl());
+    }
+  });
+  int64_t group = -1;
+  std::string inherited;
+  for (auto& o : s.optimizers) {
+    if (o.retired) {
+      continue;
+    }
+    if (o.optimizer == &optimizer && !Impl::state_gone(o)) {
+      const bool same = o.state_impls.empty()
+          ? state_now.empty()
+          : std::any_of(o.state_impls.begin(), o.state_impls.end(),
+                        [&](const c10::TensorImpl* t) { return state_now.count(t) > 0; });
+      if (same) {
+        if (!name.empty()) {
+          o.name = std::move(name);
+        }
+        s.read_optimizer(o, /*force_figures=*/true);
+        return;
+      }
+    }
+    bool overlaps = o.optimizer == &optimizer;
+    Impl::for_each_param(o, [&](const at::Tensor& p) { overlaps = overlaps || mine.count(p.unsafeGetTensorImpl()) > 0; });
+    if (overlaps) {
+      s.retire(o, o.optimizer == &optimizer ? "another optimizer was added at its address"
+                                            : "another optimizer was added over its parameters");
+      if (group < 0) {
+        group = o.group;
+        inherited = o.name;
+      }
+    }
+  }
+  const std::string type = optimizer_type(optimizer);
+  if (name.empty() && !inherited.empty()) {
+    name = inherited;
+  } else if (name.empty()) {
+    name = type;
     int64_t same = 0;
     for (const auto& o : s.optimizers) {
-      same += optimizer_type(*o.optimizer) == name ? 1 : 0;
+      same += !o.retired && o.type == type ? 1 : 0;
     }
     if (same > 0) {
       name += fmt::format(" #{}", same + 1);
     }
   }
-  s.optimizers.push_back({&optimizer, std::move(name), s.num_groups++});
+  Impl::NamedOptimizer o;
+  o.optimizer = &optimizer;
+  o.name = std::move(name);
+  o.group = group >= 0 ? group : s.num_groups++;
+  o.type = type;
+  if (const auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+    o.plain_sgd = std::all_of(sgd->param_groups().begin(), sgd->param_groups().end(), [](const auto& g) {
+      return static_cast<const torch::optim::SGDOptions&>(g.options()).momentum() == 0;
+    });
+  }
+  s.read_optimizer(o, /*force_figures=*/true);
+  s.optimizers.push_back(std::move(o));
 }
 
 void Audit::add_optimizer(const OptimizerInBackward& optimizer, std::string name) {
@@ -1344,14 +1589,19 @@ void Audit::add_optimizer(const OptimizerInBackward& optimizer, std::string name
   }
   try {
     for (const auto* o : all) {
+      const auto before = s.optimizers.size();
       add_optimizer(*o, name);
-      s.optimizers.back().group = group;
+      if (s.optimizers.size() > before) {
+        s.optimizers.back().group = group;
+      }
     }
   } catch (...) {
     s.optimizers.resize(first);
     throw;
   }
-  s.num_groups = group + 1;
+  if (s.optimizers.size() > first) {
+    s.num_groups = group + 1;
+  }
 }
 
 void Audit::label(const at::Tensor& tensor, std::string name, Category category) {
@@ -1478,6 +1728,7 @@ void Audit::end_step() {
   rec.saved_activation_bytes = s.last_saved.saved_bytes;
   rec.metered = s.metering;
   s.metering = false;
+  s.read_optimizers_after_step();
   if (s.recorder && s.options.timeline()) {
     auto raw = s.recorder->take_events(std::move(s.spare_log));
     s.classify_step_events(raw);
@@ -1701,6 +1952,16 @@ AuditReport Audit::report() const {
         "network's parameters (add it: Audit audit(device); audit.add_module(G); audit.add_module(D)) or an "
         "optimized input; they are counted as saved activations",
         with_commas(s.last_saved.unowned_leaf_bytes)));
+  }
+  if (auto note = s.retired_note()) {
+    r.notes.push_back(*note);
+  }
+  const auto gone = std::count_if(s.modules.begin(), s.modules.end(), [](const auto& m) { return m.get() == nullptr; }) +
+      std::count_if(s.jit_modules.begin(), s.jit_modules.end(), [](const auto& w) { return w.expired(); });
+  if (gone > 0) {
+    r.notes.push_back(fmt::format(
+        "{} audited module{} destroyed before report(): {} parameters, gradients and buffers are not in the buckets",
+        gone, gone == 1 ? " was" : "s were", gone == 1 ? "its" : "their"));
   }
   for (const auto& n : s.notes) {
     r.notes.push_back(n);

@@ -100,9 +100,12 @@ struct AuditOptions {
 /// start_cuda_memory_history() and cuda_memory_snapshot().
 class TRAINMEM_API Audit {
  public:
-  /// Audits `model` (and `optimizer`, may be null) on `device`. Both must
-  /// outlive the Audit. Throws c10::Error naming the device if it cannot be
-  /// read (see device_memory_stats()), or as add_optimizer() does.
+  /// Audits `model` (and `optimizer`, may be null) on `device`. A module that
+  /// no shared_ptr owns (a plain object on the stack) must outlive the
+  /// Audit; a module holder or a TorchScript module may go first (see
+  /// add_module()), and so may the optimizer (see add_optimizer()). Throws
+  /// c10::Error naming the device if it cannot be read (see
+  /// device_memory_stats()), or as add_optimizer() does.
   Audit(
       const torch::nn::Module& model,
       const torch::optim::Optimizer* optimizer = nullptr,
@@ -136,8 +139,9 @@ class TRAINMEM_API Audit {
   /// Audits `module` too (several networks, a trunk and a head). Its
   /// parameters are PARAMETER, its buffers (BatchNorm's running statistics)
   /// BUFFER and a "buffers" bucket, and both are excluded from the saved
-  /// bytes. Must outlive
-  /// the Audit; call it outside a step.
+  /// bytes. Call it outside a step. A module a shared_ptr owns (a module
+  /// holder's) is held weakly: destroyed before report(), it is skipped and a
+  /// note says so; a plain module object must outlive the Audit.
   ///
   /// Example:
   /// ```
@@ -161,8 +165,28 @@ class TRAINMEM_API Audit {
   /// Counts `optimizer`'s state too, and gives its step a phase of its own,
   /// named `name` (by default its type, numbered when several share it).
   /// Throws c10::Error at once if it has no parameters, if some of them are
-  /// not parameters of an audited module (add the module first), if it was
-  /// added already, or inside a step. Must outlive the Audit.
+  /// not parameters of an audited module (add the module first), or inside
+  /// a step.
+  ///
+  /// Optimizers may come and go: one made per epoch or rebuilt by a
+  /// scheduler is added again each time. A new optimizer at the address of
+  /// one added before, or over any of its parameters, replaces it (and takes
+  /// its name and phase); the same object added twice stays one. An
+  /// optimizer destroyed is never read again once the audit can tell (it
+  /// was replaced, or its state tensors are all gone), and report() never
+  /// reads one: the state it counts is as of each optimizer's last step, and
+  /// a note names the ones replaced or destroyed. The one limit: a stateless
+  /// optimizer (before its first step) destroyed while another, not added,
+  /// steps its parameters.
+  ///
+  /// Example:
+  /// ```
+  /// for (int epoch = 0; epoch < epochs; ++epoch) {
+  ///   torch::optim::Adam opt(model->parameters(), 1e-3);
+  ///   audit.add_optimizer(opt);                 // replaces last epoch's
+  ///   for (auto& batch : loader) { auto step = audit.step(); /* ... */ }
+  /// }
+  /// ```
   void add_optimizer(const torch::optim::Optimizer& optimizer, std::string name = {});
   /// Counts the per-parameter optimizers of an OptimizerInBackward: their
   /// state, made inside backward, is OPTIMIZER_STATE. Same checks.
