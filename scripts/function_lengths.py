@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Longest functions in C++ files: lines from the signature to the closing
 brace (comments and strings blanked; a lambda counts in its function).
-Usage: scripts/function_lengths.py src/*.cpp  (TOP=n rows, default 15)."""
+Usage: scripts/function_lengths.py src/*/*.cpp  (TOP=n rows, default 15)."""
 import re, sys
 def strip(src):
     out=[]; i=0; n=len(src)

@@ -40,6 +40,32 @@ trainmem::AuditReport sample_report() {
   return r;
 }
 
+// The text's saved-by-node rows sum to the saved bytes: the largest
+// kMaxNodeRows, then one row for the rest.
+TEST(ReportTest, TextNodeRowsEndWithTheRest) {
+  auto r = sample_report();
+  r.saved_by_node.clear();
+  int64_t total = 0;
+  for (int i = 0; i < 11; ++i) {
+    const int64_t bytes = 1000 * (11 - i);  // 11,000 ... 1,000
+    r.saved_by_node.push_back({"Node" + std::to_string(i), bytes, 1});
+    total += bytes;
+  }
+  r.saved_activation_bytes = total;  // 66,000
+  const auto text = trainmem::to_text(r);
+  EXPECT_NE(text.find("Node7 "), std::string::npos) << text;
+  EXPECT_EQ(text.find("Node8 "), std::string::npos) << text;
+  // Nodes 8, 9 and 10: 3,000 + 2,000 + 1,000 B, 9.1 % of 66,000.
+  EXPECT_NE(text.find("other (3 nodes)"), std::string::npos) << text;
+  const auto at = text.find("other (3 nodes)");
+  const auto line = text.substr(at, text.find('\n', at) - at);
+  EXPECT_NE(line.find(" 6,000 B"), std::string::npos) << line;
+  EXPECT_NE(line.find("9.1 %"), std::string::npos) << line;
+  // Eight nodes or fewer: no such row.
+  r.saved_by_node.resize(8);
+  EXPECT_EQ(trainmem::to_text(r).find("other ("), std::string::npos);
+}
+
 TEST(ReportTest, JsonRoundTripsExactly) {
   const auto r = sample_report();
   const auto json = trainmem::to_json(r);

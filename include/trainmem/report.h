@@ -15,6 +15,7 @@
 ///     << trainmem::to_memory_viz_pickle(audit.timeline());
 /// ```
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -112,6 +113,9 @@ TRAINMEM_API StepSummary summarize_steps(const std::vector<StepRecord>& steps);
 /// Steps shown one row each in text and HTML; past it, the first few rows
 /// and a min / median / max summary.
 inline constexpr int64_t kMaxStepRows = 8;
+/// Nodes of saved_by_node shown one row each in text; the rest are one
+/// "other (N nodes)" row, so that the rows sum to the saved bytes.
+inline constexpr size_t kMaxNodeRows = 8;
 
 /// A table a person reads in a terminal.
 TRAINMEM_API std::string to_text(const AuditReport& report);

@@ -1,6 +1,6 @@
 #pragma once
 
-// Note [CPU convolution scratch] (src/meta.cpp): meta convolutions measure the
+// Note [CPU convolution scratch] (src/core/meta.cpp): meta convolutions measure the
 // CPU kernels' scratch. A CUDA prediction replays meta allocations as CUDA
 // ones, whose convolution workspaces are cuDNN's, not the CPU's: it turns the
 // probe off on its thread for its duration.

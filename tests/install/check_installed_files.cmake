@@ -24,6 +24,20 @@ file(READ ${prefix}/${includedir}/trainmem/version.h header)
 if(NOT header MATCHES "kVersion = \"${version}\"")
   message(FATAL_ERROR "version.h does not say ${version}")
 endif()
+# distributed.h is installed exactly when version.h says distributed audits
+# were built.
+if(header MATCHES "#define TRAINMEM_HAS_DISTRIBUTED 1")
+  set(want_distributed TRUE)
+elseif(header MATCHES "#define TRAINMEM_HAS_DISTRIBUTED 0")
+  set(want_distributed FALSE)
+else()
+  message(FATAL_ERROR "version.h does not define TRAINMEM_HAS_DISTRIBUTED to 0 or 1")
+endif()
+if(EXISTS ${prefix}/${includedir}/trainmem/distributed.h AND NOT want_distributed)
+  message(FATAL_ERROR "distributed.h is installed, but version.h says TRAINMEM_HAS_DISTRIBUTED 0")
+elseif(NOT EXISTS ${prefix}/${includedir}/trainmem/distributed.h AND want_distributed)
+  message(FATAL_ERROR "distributed.h is not installed, but version.h says TRAINMEM_HAS_DISTRIBUTED 1")
+endif()
 # Every header an installed header includes by a quoted name is installed
 # too (the consumer programs include meter.h and version.h only, to compile
 # fast; this covers the rest without compiling them).

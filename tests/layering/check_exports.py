@@ -30,10 +30,10 @@ import re
 import sys
 from pathlib import Path
 
-# Headers of src/detail that src/app (trainmem_app, a separate static library
+# Headers of src/ that tools/trainmem/app (trainmem_app, a separate static library
 # that links trainmem, shared or not) uses across the library's boundary:
 # their out-of-line declarations are exported too, though never installed.
-INTERNAL = ["src/detail/checkpoint_state.h"]
+INTERNAL = ["src/core/detail/checkpoint_state.h"]
 
 MACRO = "TRAINMEM_API"
 ACCESS = re.compile(r"^\s*(?:(?:public|private|protected)\s*:(?!:)\s*)+")

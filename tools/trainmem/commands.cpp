@@ -476,6 +476,35 @@ void add_audit_command(CLI::App& app) {
   sub->callback([f] { run_audit(*f); });
 }
 
+// estimate --model predicts one fp32 AdamW step of the config's model with
+// no checkpointing or accumulation: a flag given for another question is
+// refused, naming it, rather than answered as that one.
+void refuse_flags_model_ignores(const CLI::App& sub, const AuditFlags& f) {
+  const auto given = [&](const char* name) { return sub.get_option(name)->count() > 0; };
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"--layers", f.model.layers},
+                                     {"--d-model", f.model.d_model}, {"--heads", f.model.heads}}) {
+    if (given(name)) {
+      throw UsageError(fmt::format("{} {} with --model: the model's shape comes from its config file; drop {}", name,
+                                   value, name));
+    }
+  }
+  if (f.precision != "fp32") {
+    throw UsageError(fmt::format("--precision {} with --model: estimate --model predicts fp32 only (mixed "
+                                 "precision on meta is not built for config models yet); drop --precision",
+                                 f.precision));
+  }
+  if (f.optimizer != "adamw") {
+    throw UsageError(fmt::format("--optimizer {} with --model: estimate --model predicts AdamW only; drop "
+                                 "--optimizer",
+                                 f.optimizer));
+  }
+  if (f.accumulate != 1) {
+    throw UsageError(fmt::format("--accumulate {} with --model: estimate --model predicts one batch (--batch is "
+                                 "the micro-batch); drop --accumulate",
+                                 f.accumulate));
+  }
+}
+
 void add_estimate_command(CLI::App& app) {
   auto f = std::make_shared<AuditFlags>();
   auto* sub = app.add_subcommand("estimate", "predict static buckets and activations without running anything");
@@ -489,8 +518,9 @@ void add_estimate_command(CLI::App& app) {
       ->capture_default_str();
   auto m = std::make_shared<ModelFileFlags>();
   add_model_file_flags(*sub, *m);  // --model FILE (model_file.cpp)
-  sub->callback([f, m] {
+  sub->callback([f, m, sub] {
     if (!m->path.empty()) {
+      refuse_flags_model_ignores(*sub, *f);
       std::optional<CudaPredictOptions> cuda;
       if (f->device != "cpu") {
         cuda = cuda_predict_options(*f);

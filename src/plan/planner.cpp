@@ -1,0 +1,861 @@
+#include "trainmem/planner.h"
+
+#include <algorithm>
+#include <cctype>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include <ATen/Context.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/Generator.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <ATen/ops/_scaled_dot_product_attention_math.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/sum.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/function.h>  // Node: node.h only since 2.13
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include "trainmem/accountant.h"
+#include "trainmem/allocator.h"
+#include "trainmem/meta.h"
+#include "trainmem/format.h"
+#include "detail/backward_on_meta.h"
+#include "core/detail/checkpoint_state.h"
+#include "detail/intercept.h"
+#include "detail/optimizer_state.h"
+#include "detail/process_library.h"
+#include "plan/detail/plan_internal.h"
+
+namespace trainmem {
+
+Region::Region(std::string name, Forward forward, std::vector<std::shared_ptr<torch::nn::Module>> modules)
+    : name_(std::move(name)),
+      forward_(std::make_shared<Forward>(std::move(forward))),
+      modules_(std::move(modules)) {
+  TORCH_CHECK(static_cast<bool>(*forward_), "Region: the forward function of '", name_, "' is empty");
+  for (size_t i = 0; i < modules_.size(); ++i) {
+    TORCH_CHECK(modules_[i] != nullptr, "Region: module ", i, " of '", name_, "' is null");
+  }
+}
+
+Region::Region(torch::nn::AnyModule module)
+    : Region(module.ptr()->name(),
+             [m = std::make_shared<torch::nn::AnyModule>(module)](const at::Tensor& x) {
+               return m->forward<at::Tensor>(x);
+             },
+             {module.ptr()}) {}
+
+at::Tensor Region::operator()(const at::Tensor& input) const {
+  return (*forward_)(input);
+}
+
+std::vector<Region> regions_of(const torch::nn::Sequential& sequential) {
+  TORCH_CHECK(sequential, "regions_of: the Sequential is empty (null)");
+  std::vector<Region> regions;
+  for (const auto& m : *sequential) {
+    regions.emplace_back(m);
+  }
+  return regions;
+}
+
+std::vector<Region> regions_of(const torch::nn::ModuleList& list) {
+  TORCH_CHECK(list, "regions_of: the ModuleList is empty (null)");
+  std::vector<Region> regions;
+  for (size_t i = 0; i < list->size(); ++i) {
+    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(list->ptr(i));
+    TORCH_CHECK(seq != nullptr, "regions_of: element ", i, " of the ModuleList is a ", list->ptr(i)->name(),
+                ", whose forward is unknown here; use regions_of<", list->ptr(i)->name(), ">(list)");
+    regions.emplace_back(seq);
+  }
+  return regions;
+}
+
+at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+                       const BlockCheckpointing& plan) {
+  const auto L = static_cast<int64_t>(regions.size());
+  TORCH_CHECK(static_cast<int64_t>(plan.blocks.size()) == L, "run_regions: the plan '", plan.name,
+              "' has ", plan.blocks.size(), " blocks, but there are ", L, " regions");
+  TORCH_CHECK(plan.region_length.empty() || static_cast<int64_t>(plan.region_length.size()) == L,
+              "run_regions: the plan '", plan.name, "' has ", plan.region_length.size(),
+              " region lengths, expected 0 or ", L);
+  at::Tensor x = input;
+  for (int64_t i = 0; i < L;) {
+    const int64_t k = plan.region_length.empty() ? 1 : std::max<int64_t>(1, plan.region_length[i]);
+    if (!plan.blocks[i]) {
+      x = regions[i](x);
+      ++i;
+      continue;
+    }
+    TORCH_CHECK(i + k <= L, "run_regions: the segment of ", k, " regions at region ", i, " of plan '",
+                plan.name, "' runs past the last region (", L, ")");
+    // The recompute runs in backward, after this returns: the closure keeps
+    // its own copies of the regions (they share callables and modules).
+    std::vector<Region> run(regions.begin() + i, regions.begin() + i + k);
+    x = checkpoint(
+        [run = std::move(run)](const at::Tensor& t) {
+          at::Tensor y = t;
+          for (const auto& r : run) {
+            y = r(y);
+          }
+          return y;
+        },
+        x, plan.options_for(i));
+    i += k;
+  }
+  return x;
+}
+
+at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
+                       const CheckpointPlan& plan) {
+  return run_regions(regions, input, plan.checkpointing());
+}
+
+BlockCheckpointing CheckpointPlan::checkpointing() const {
+  const auto L = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(L >= 1, "CheckpointPlan::checkpointing: the plan has no blocks");
+  auto plan = BlockCheckpointing::none(L);
+  for (int64_t i = 0; i < L; ++i) {
+    if (blocks[i].mode == BlockMode::kSelective) {
+      plan.set_block_policy(i, save_op_calls_policy(blocks[i].saved_ops));
+    }
+  }
+  for (int64_t i = 0; i < L; ++i) {
+    if (blocks[i].mode == BlockMode::kCheckpoint && blocks[i].region_blocks >= 1) {
+      plan.blocks[i] = true;
+      if (blocks[i].region_blocks > 1) {
+        if (plan.region_length.empty()) {
+          plan.region_length.assign(L, 1);
+        }
+        plan.region_length[i] = blocks[i].region_blocks;
+      }
+    }
+  }
+  plan.name = name;
+  return plan;
+}
+
+// Note [Checkpoint planner]
+// The step is forward, loss out.pow(2).mean(), backward, AdamW step. Every
+// choice c for a block (store, checkpoint, a selective set) or for a run of k
+// blocks (one checkpointed region, a segment) is profiled once, alone on
+// meta: stored(c) (kept from its forward to its backward, input included,
+// plus the region's CPU RNG stash), F(c) (its forward's peak), W(c) (its
+// backward's peak above its stored bytes: incoming gradient, recompute, its
+// gradients, temporaries) and cost(c). With S_i the bytes stored before
+// block i, Z = parameters + buffers + AdamW state + input, G_>i later blocks' gradients:
+//   forward of block i   Z + S_i + F_i
+//   backward of block i  Z + S_i + stored_i + G_>i + W_i
+//   loss head            Z + S_L + (its forward peak, or stored + backward)
+//   optimizer step       Z - input + G + AdamW transient
+// The step makes its input (RegionModel::input) and nothing holds it past
+// backward, which frees it with the graph: in the optimizer step it is gone,
+// as it is in predict_step_peak() and on CPU (counting it there put a conv
+// net with a large head, whose peak is Adam's step, an input over the CPU's,
+// 2,457,600 B at 8 x 3 x 160 x 160; issue 22).
+// Every term grows with S_i, so a dynamic program over block boundaries
+// whose state is S_i, keeping states no other beats in S, cost and peak
+// (Pareto), is exact for this model. The cheapest final state within the
+// budget wins, ties to the smaller peak: a larger budget never costs more
+// recompute, and a smaller one never gives a larger peak (PyTorch's
+// activation_memory_budget can do both). Selective candidates: each
+// cacheable op call is profiled alone (bytes it adds, recompute it saves),
+// ranked by recompute saved per byte, and the ranking's prefixes are profiled
+// as sets, so interactions (Note [In-place ops on cached outputs]'s copies)
+// are measured, not assumed.
+// Note [Boundary storages]
+// The meter counts each saved storage once over the whole step. Profiled
+// alone, each region counts the tensors at its two boundaries as it sees
+// them: its input when it (or the checkpoint) keeps it (a Linear's or a
+// conv's input), its output when it keeps that itself (relu, sigmoid, tanh,
+// log_softmax save their result). In the step they are one storage: region
+// i's output is region i + 1's input, and a view region (flatten, reshape)
+// passes its input's storage on. Counting both would count a storage twice
+// (MNIST's relu -> conv2 and relu -> view -> fc1, log_softmax -> nll_loss:
+// 453,120 B too many). So the DP carries, per state, whether the storage at
+// its boundary is counted already (an earlier region kept it, or it is the
+// step's input, in the static bytes); a region that keeps its input then
+// adds nothing for it, and its forward peak, which includes its input, does
+// not count it again. The same holds for the loss head. Only boundaries can
+// be shared this way: a region's other tensors are its own.
+namespace detail {
+
+namespace {
+
+std::string plan_name(const std::vector<BlockChoice>& blocks) {
+  const auto L = static_cast<int64_t>(blocks.size());
+  bool any_sel = false, all_store = true, all_ckpt = true;
+  for (const auto& b : blocks) {
+    any_sel |= b.mode == BlockMode::kSelective;
+    all_store &= b.mode == BlockMode::kStore;
+    all_ckpt &= b.mode == BlockMode::kCheckpoint;
+  }
+  bool any_region = false;
+  for (const auto& b : blocks) {
+    any_region |= b.region_blocks != 1;
+  }
+  if (all_store) return "none";
+  if (any_region) {
+    for (int64_t n = 2; n <= L; ++n) {
+      const auto seg = BlockCheckpointing::segments(L, n);
+      bool match = true;
+      for (int64_t i = 0; i < L;) {
+        if (seg.blocks[i]) {
+          const int64_t k = seg.region_length[i];
+          match &= blocks[i].mode == BlockMode::kCheckpoint && blocks[i].region_blocks == k;
+          for (int64_t j = i + 1; j < i + k; ++j) {
+            match &= blocks[j].region_blocks == 0;
+          }
+          i += k;
+        } else {
+          match &= blocks[i].mode == BlockMode::kStore;
+          ++i;
+        }
+      }
+      if (match) return n == sqrt_segments(L) ? "sqrt" : "segments_" + std::to_string(n);
+    }
+    return "segments";
+  }
+  if (all_ckpt) return "full";
+  if (any_sel) {
+    bool uniform = true;
+    for (const auto& b : blocks) {
+      uniform &= b.mode == BlockMode::kSelective && b.saved_ops == blocks.front().saved_ops;
+    }
+    return uniform ? "selective" : "mixed";
+  }
+  for (int64_t k = 2; k < L; ++k) {  // every_L and up: block 0 alone, "chosen"
+    bool match = true;
+    for (int64_t i = 0; i < L; ++i) {
+      match &= (blocks[i].mode == BlockMode::kCheckpoint) == (i % k == 0);
+    }
+    if (match) return "every_" + std::to_string(k);
+  }
+  return "chosen";
+}
+
+// ---------------------------------------------------------------------------
+// Stage 1: the static terms
+
+// Parameters, each once, owned by the last region that uses it: its
+// gradient exists from that region's backward on.
+void own_params(const std::vector<Region>& regions, StaticTerms& t) {
+  const auto L = static_cast<int64_t>(regions.size());
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  for (int64_t i = 0; i < L; ++i) {
+    for (const auto& m : regions[i].modules()) {
+      for (const auto& p : m->parameters(/*recurse=*/true)) {
+        auto [it, inserted] = owner.emplace(p.unsafeGetTensorImpl(), i);
+        if (inserted) {
+          t.params.push_back(p);
+        }
+        it->second = i;
+      }
+    }
+  }
+  t.region_grad_bytes.assign(L, 0);
+  t.region_trains.assign(L, false);
+  std::unordered_set<const c10::StorageImpl*> storages;
+  for (const auto& p : t.params) {
+    if (storages.insert(p.storage().unsafeGetStorageImpl()).second) {
+      t.param_bytes += storage_bytes(p);
+    }
+    if (p.requires_grad()) {
+      const int64_t i = owner[p.unsafeGetTensorImpl()];
+      t.region_grad_bytes[i] += storage_bytes(p);
+    }
+  }
+  for (int64_t i = 0; i < L; ++i) {
+    for (const auto& m : regions[i].modules()) {
+      for (const auto& p : m->parameters(true)) {
+        t.region_trains[i] = t.region_trains[i] || p.requires_grad();
+      }
+    }
+  }
+  for (auto b : t.region_grad_bytes) t.grad_bytes += b;
+}
+
+// Buffers (BatchNorm's running statistics), each storage once and none a
+// parameter holds: live all step, as the accountant's buffer bucket.
+int64_t buffer_bytes_of(const std::vector<Region>& regions, const std::vector<at::Tensor>& params) {
+  int64_t bytes = 0;
+  std::unordered_set<const c10::StorageImpl*> storages;
+  for (const auto& p : params) {
+    storages.insert(p.storage().unsafeGetStorageImpl());
+  }
+  for (const auto& region : regions) {
+    for (const auto& m : region.modules()) {
+      for (const auto& b : m->buffers(/*recurse=*/true)) {
+        if (b.defined() && b.has_storage() && storages.insert(b.storage().unsafeGetStorageImpl()).second) {
+          bytes += storage_bytes(b);
+        }
+      }
+    }
+  }
+  return bytes;
+}
+
+// Parameters, buffers, the optimizer (its state, live all step, and its
+// step's transient) and the step's input.
+StaticTerms account_regions(const RegionModel& model) {
+  StaticTerms t;
+  own_params(model.regions, t);
+  t.buffer_bytes = buffer_bytes_of(model.regions, t.params);
+  t.has_optimizer = model.optimizer != nullptr || static_cast<bool>(model.make_optimizer);
+  if (model.optimizer != nullptr) {
+    detail::OptimizerStateAside aside(*model.optimizer);
+    t.optimizer = profile_optimizer(*model.optimizer, t.params);
+  } else if (model.make_optimizer) {
+    auto opt = model.make_optimizer(t.params);
+    TORCH_CHECK(opt != nullptr, "plan_regions: RegionModel::make_optimizer returned null");
+    t.optimizer = profile_optimizer(*opt, t.params);
+  }
+  at::Tensor input = model.input(at::kMeta);
+  TORCH_CHECK(input.defined() && input.is_meta(),
+              "plan_regions: RegionModel::input(kMeta) must return a meta tensor, but got ",
+              input.defined() ? c10::str(input.device()) : std::string("an undefined tensor"));
+  t.input_bytes = storage_bytes(input);
+  t.input = spec_of(input);
+  return t;
+}
+
+// ---------------------------------------------------------------------------
+// Stage 2: the shapes between regions
+
+// Region i fails on meta: it runs on CPU to be profiled, and the plan says so.
+void fall_back(RegionShapes& shapes, const std::vector<Region>& regions, int64_t i, const c10::Error& e) {
+  shapes.cpu[i] = true;
+  const std::string op = meta_failure_op(e);
+  shapes.cpu_fallbacks.push_back({i, op, first_line(e.what_without_backtrace())});
+  const bool missing = dynamic_cast<const c10::NotImplementedError*>(&e) != nullptr ||
+      std::string(e.what_without_backtrace()).find("Could not run '") != std::string::npos;
+  TORCH_WARN("plan_regions: region ", i, " ('", regions[i].name(), "') runs on CPU to be profiled: ",
+             op.empty() ? "it fails on meta: " + first_line(e.what_without_backtrace())
+                        : missing ? op + " has no meta kernel"
+                                  : op + " fails on meta: " + first_line(e.what_without_backtrace()));
+}
+
+void on_cpu(PlanningSwap& swap, const std::vector<Region>& rs, int64_t first, int64_t count, bool on) {
+  for (int64_t j = first; j < first + count; ++j) {
+    swap.set_cpu(rs[j].modules(), on);
+  }
+}
+
+// Shapes region by region (no grad, meta); a region that fails on meta
+// runs on CPU, and is profiled there.
+RegionShapes shape_regions(const std::vector<Region>& regions, PlanningSwap& swap, const StaticTerms& terms) {
+  const auto L = static_cast<int64_t>(regions.size());
+  RegionShapes shapes;
+  shapes.specs.resize(L + 1);
+  shapes.specs[0] = terms.input;
+  shapes.cpu.assign(L, false);
+  shapes.grad_in.assign(L, false);
+  auto& specs = shapes.specs;
+  bool needs_grad = false;
+  for (int64_t i = 0; i < L; ++i) {
+    shapes.grad_in[i] = needs_grad && c10::isFloatingType(specs[i].dtype);
+    at::NoGradGuard no_grad;
+    try {
+      specs[i + 1] = spec_of(regions[i](make_tensor(specs[i], at::kMeta)));
+    } catch (const c10::Error& e) {
+      fall_back(shapes, regions, i, e);
+      on_cpu(swap, regions, i, 1, true);
+      try {
+        specs[i + 1] = spec_of(regions[i](make_tensor(specs[i], at::kCPU)));
+      } catch (...) {
+        on_cpu(swap, regions, i, 1, false);
+        throw;
+      }
+      on_cpu(swap, regions, i, 1, false);
+    }
+    needs_grad = needs_grad || terms.region_trains[i];
+  }
+  return shapes;
+}
+
+// ---------------------------------------------------------------------------
+// Stage 3: the profiles
+
+// Profiles runs of regions (each distinct (regions, input, choice) once, by
+// run_key), on meta, or on CPU where a region falls back.
+class Profiler {
+ public:
+  Profiler(const std::vector<Region>& regions, PlanningSwap& swap, RegionShapes& shapes, OpCostFn cost_fn)
+      : regions_(regions), swap_(swap), shapes_(shapes), cost_fn_(std::move(cost_fn)) {
+    for (size_t i = 0; i < regions.size(); ++i) {
+      keys_.push_back(structure_key(regions[i]) + "->" + shapes.specs[i + 1].str());
+    }
+  }
+
+  std::string run_key(int64_t first, int64_t count) const {
+    const auto& s = shapes_;
+    std::string k = fmt::format("{}{}{}{}|", first == 0 ? "S" : "", s.grad_in[first] ? "G" : "",
+                                s.specs[first].str(), s.cpu[first] ? "C" : "");
+    for (int64_t j = first; j < first + count; ++j) {
+      k += keys_[j] + (s.cpu[j] ? "C|" : "|");
+    }
+    return k;
+  }
+
+  BlockProfile profile(int64_t first, int64_t count, BlockMode mode, const std::vector<std::string>& ops) {
+    RunSpec run;
+    run.regions = &regions_;
+    run.first = first;
+    run.count = count;
+    run.input = shapes_.specs[first];
+    run.grad_input = shapes_.grad_in[first];
+    run.input_is_static = first == 0;
+    for (int64_t j = first; j < first + count; ++j) {
+      run.cpu = run.cpu || shapes_.cpu[j];
+    }
+    ++num_profiles_;
+    if (!run.cpu) {
+      try {
+        return profile_run(run, mode, ops, cost_fn_);
+      } catch (const c10::Error& e) {
+        if (count != 1 || mode != BlockMode::kStore) {
+          // Its regions each ran on meta alone, or the region's stored run
+          // did: not a missing meta kernel (a checkpoint that fails is an
+          // unavailable choice: Note [Regions that start in place]).
+          throw;
+        }
+        fall_back(shapes_, regions_, first, e);  // backward has no meta kernel
+        run.cpu = true;
+      }
+    }
+    on_cpu(swap_, regions_, first, count, true);
+    try {
+      auto p = profile_run(run, mode, ops, cost_fn_);
+      on_cpu(swap_, regions_, first, count, false);
+      return p;
+    } catch (...) {
+      on_cpu(swap_, regions_, first, count, false);
+      throw;
+    }
+  }
+
+  // Note [Regions that start in place]
+  // A region whose first op writes its input in place (ReLU(inplace) right
+  // after a cut, as VGG-style nets and MLPs are written) runs stored, but a
+  // checkpoint of it cannot: the checkpoint keeps the input for its
+  // recompute, the forward then writes it, and backward throws on CPU as in
+  // PyTorch ("one of the variables needed for gradient computation has been
+  // modified by an inplace operation"; a selective region and a segment
+  // starting there keep the same input). profile_run() sees the write (the
+  // input's version moved in a checkpointed forward) and names the op; any
+  // other failure of a checkpointed run whose regions ran stored is taken the
+  // same way. Such a profile is an unavailable choice: the DP never weighs
+  // it, and the plan lists it (CheckpointPlan::unavailable, printed by
+  // to_string). The forward cost still comes from the checkpoint's forward,
+  // which ran. Profiling needs the input to be a non-leaf too (an in-place
+  // op on a leaf that requires grad throws): see profile_run().
+  BlockProfile profile_or_unavailable(int64_t first, int64_t count, BlockMode mode,
+                                      const std::vector<std::string>& ops = {}) {
+    BlockProfile p;
+    try {
+      p = profile(first, count, mode, ops);
+    } catch (const c10::Error& e) {
+      p = BlockProfile{};
+      p.choice.mode = mode;
+      p.choice.region_blocks = count;
+      p.unavailable = first_line(e.what_without_backtrace());
+    }
+    return p;
+  }
+
+  int64_t num_profiles() const { return num_profiles_; }
+
+ private:
+  const std::vector<Region>& regions_;
+  PlanningSwap& swap_;
+  RegionShapes& shapes_;
+  OpCostFn cost_fn_;
+  std::vector<std::string> keys_;
+  int64_t num_profiles_ = 0;
+};
+
+// Region i's selective candidates (Note [Checkpoint planner]): each cacheable
+// op call of its checkpoint `ckpt` profiled alone, ranked by recompute saved
+// per byte added, and the ranking's prefixes profiled as sets.
+void add_selective(Profiler& profiler, int64_t i, const BlockProfile& ckpt, std::vector<BlockProfile>& out) {
+  struct Ranked {
+    std::string call;
+    double saved_cost;
+    int64_t added_bytes;
+  };
+  std::vector<Ranked> ranked;
+  for (const auto& [call, cost, cacheable] : ckpt.calls) {
+    if (!cacheable) {
+      continue;
+    }
+    auto one = profiler.profile_or_unavailable(i, 1, BlockMode::kSelective, {call});
+    if (!one.unavailable.empty()) {
+      continue;
+    }
+    const double saved = ckpt.choice.recompute_cost - one.choice.recompute_cost;
+    if (saved <= 0) {
+      continue;  // not recomputed anyway (early stop), or free
+    }
+    ranked.push_back({call, saved, one.choice.stored_bytes - ckpt.choice.stored_bytes});
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
+    const double ra = a.saved_cost / static_cast<double>(std::max<int64_t>(a.added_bytes, 1));
+    const double rb = b.saved_cost / static_cast<double>(std::max<int64_t>(b.added_bytes, 1));
+    return ra > rb;
+  });
+  std::vector<std::string> prefix;
+  for (const auto& r : ranked) {
+    prefix.push_back(r.call);
+    out.push_back(profiler.profile_or_unavailable(i, 1, BlockMode::kSelective, prefix));
+  }
+}
+
+// Per region: store, checkpoint, selective prefixes; regions alike share them.
+void profile_singles(Profiler& profiler, int64_t L, bool selective, Profiles& out) {
+  std::unordered_map<std::string, std::shared_ptr<const std::vector<BlockProfile>>> cache;
+  out.singles.resize(L);
+  for (int64_t i = 0; i < L; ++i) {
+    const std::string key = profiler.run_key(i, 1);
+    if (auto it = cache.find(key); it != cache.end()) {
+      out.singles[i] = it->second;
+      continue;
+    }
+    auto c = std::make_shared<std::vector<BlockProfile>>();
+    c->push_back(profiler.profile(i, 1, BlockMode::kStore, {}));
+    c->push_back(profiler.profile_or_unavailable(i, 1, BlockMode::kCheckpoint));
+    if (selective && (*c)[1].unavailable.empty()) {
+      const auto ckpt = (*c)[1];
+      add_selective(profiler, i, ckpt, *c);
+    }
+    out.singles[i] = c;
+    cache.emplace(key, c);
+  }
+}
+
+// Segments: k consecutive regions checkpointed as one.
+void profile_segments(Profiler& profiler, int64_t L, int64_t max_region, Profiles& out) {
+  std::unordered_map<std::string, std::shared_ptr<const BlockProfile>> cache;
+  out.segments.resize(L);
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t k = 2; k <= max_region && i + k <= L; ++k) {
+      const std::string key = profiler.run_key(i, k);
+      auto it = cache.find(key);
+      if (it == cache.end()) {
+        auto p = std::make_shared<const BlockProfile>(profiler.profile_or_unavailable(i, k, BlockMode::kCheckpoint));
+        it = cache.emplace(key, std::move(p)).first;
+      }
+      out.segments[i].push_back(it->second);
+    }
+  }
+}
+
+// The unavailable choices, per region (Note [Regions that start in place]).
+void list_unavailable(Profiles& p) {
+  for (int64_t i = 0; i < static_cast<int64_t>(p.singles.size()); ++i) {
+    for (const auto& s : *p.singles[i]) {
+      if (!s.unavailable.empty()) {
+        p.unavailable.push_back({i, 1, s.choice.mode, s.unavailable});
+      }
+    }
+    for (const auto& s : p.segments[i]) {
+      if (!s->unavailable.empty()) {
+        p.unavailable.push_back({i, s->choice.region_blocks, s->choice.mode, s->unavailable});
+      }
+    }
+  }
+}
+
+// The loss head, on the last output (on CPU where it fails on meta).
+HeadProfile profile_loss(const RegionModel& model, RegionShapes& shapes) {
+  const auto L = static_cast<int64_t>(model.regions.size());
+  try {
+    return profile_head(model.loss, shapes.specs[L], /*cpu=*/false);
+  } catch (const c10::Error& e) {
+    const std::string op = meta_failure_op(e);
+    shapes.cpu_fallbacks.push_back({L, op, first_line(e.what_without_backtrace())});
+    TORCH_WARN("plan_regions: the loss runs on CPU to be profiled: ",
+               op.empty() ? std::string("it fails on meta") : op + " has no meta kernel");
+    return profile_head(model.loss, shapes.specs[L], /*cpu=*/true);
+  }
+}
+
+Profiles profile_regions(const RegionModel& model, const PlanOptions& options, Profiler& profiler,
+                         RegionShapes& shapes, int64_t max_region) {
+  const auto L = static_cast<int64_t>(model.regions.size());
+  Profiles p;
+  profile_singles(profiler, L, options.selective(), p);
+  profile_segments(profiler, L, max_region, p);
+  list_unavailable(p);
+  p.head = profile_loss(model, shapes);
+  p.num_profiles = profiler.num_profiles();
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Stage 4: the candidates
+
+Candidates candidates(const Profiles& profiles, const StaticTerms& terms, int64_t max_region) {
+  Candidates c;
+  c.profiles = &profiles;
+  c.regions = static_cast<int64_t>(profiles.singles.size());
+  c.max_region = max_region;
+  const int64_t L = c.regions;
+  c.grads_after.assign(L + 1, 0);
+  for (int64_t i = L - 1; i >= 0; --i) {
+    c.grads_after[i] = c.grads_after[i + 1] + terms.region_grad_bytes[i];
+  }
+  c.least_stored_after.assign(L + 1, 0);
+  for (int64_t i = L - 1; i >= 0; --i) {
+    int64_t least = std::numeric_limits<int64_t>::max();
+    for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
+      for (const auto* prof : c.choices(i, k)) {
+        const auto& ch = prof->choice;
+        const int64_t added = ch.stored_bytes + ch.rng_state_bytes - (prof->in_kept ? prof->in_bytes : 0);
+        least = std::min(least, added + c.least_stored_after[i + k]);
+      }
+    }
+    c.least_stored_after[i] = least;
+  }
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
+      c.num_candidates += static_cast<int64_t>(c.choices(i, k).size());
+    }
+  }
+  return c;
+}
+
+// ---------------------------------------------------------------------------
+// Stage 6: the plan
+
+// The plan's blocks from the chosen final state back to region 0, and the
+// profile each block's choice came from (null inside a segment).
+std::vector<const BlockProfile*> trace_back(const Candidates& cands, const Pick& chosen, CheckpointPlan& plan) {
+  const int64_t L = cands.regions;
+  const auto& layers = chosen.run->layers;
+  plan.blocks.resize(L);
+  int64_t s = -1;  // the index in layers[i] of the state the plan passes through
+  std::vector<const BlockProfile*> chosen_profiles(L, nullptr);
+  for (int64_t i = L; i >= 1;) {
+    const auto& st = i == L ? chosen.state() : layers[i][s];
+    const int64_t start = i - st.region;
+    chosen_profiles[start] = cands.choices(start, st.region)[st.option];
+    plan.blocks[start] = chosen_profiles[start]->choice;
+    for (int64_t j = start + 1; j < i; ++j) {  // inside the segment: nothing of their own
+      plan.blocks[j] = BlockChoice{};
+      plan.blocks[j].mode = BlockMode::kCheckpoint;
+      plan.blocks[j].region_blocks = 0;
+    }
+    s = st.parent;
+    i = start;
+  }
+  return chosen_profiles;
+}
+
+// What the meter counts: each kept storage once, the step's input
+// included when saved. A block's stored_bytes leaves out a boundary
+// storage the block before it counted (Note [Boundary storages]).
+void count_activations(const std::vector<const BlockProfile*>& chosen_profiles, const HeadProfile& head,
+                       CheckpointPlan& plan) {
+  plan.activation_bytes = 0;
+  bool counted = false;
+  for (size_t i = 0; i < chosen_profiles.size(); ++i) {
+    const auto* prof = chosen_profiles[i];
+    if (prof == nullptr) {
+      continue;  // inside a segment
+    }
+    auto& b = plan.blocks[i];
+    b.stored_bytes -= counted && prof->in_kept ? prof->in_bytes : 0;
+    plan.activation_bytes += b.stored_bytes;
+    counted = prof->out_aliases_in ? (counted || prof->in_kept) : prof->out_kept;
+  }
+  plan.activation_bytes += head.stored_bytes - (counted && head.in_kept ? head.in_bytes : 0);
+}
+
+// The plan within the budget if one fits, else the least-peak one.
+CheckpointPlan assemble(const RegionModel& model, const PlanOptions& options, RegionShapes shapes,
+                        const Profiles& profiles, const Candidates& cands, const StaticTerms& terms,
+                        int64_t limit, const Pick& within, const Pick& at_min_peak) {
+  CheckpointPlan plan;
+  plan.cpu_fallbacks = std::move(shapes.cpu_fallbacks);
+  plan.unavailable = profiles.unavailable;
+  plan.feasible = within.state().peak <= limit;
+  plan.budget_bytes = options.budget_bytes();
+  plan.min_peak_bytes = at_min_peak.state().peak;
+  plan.min_peak_cost = at_min_peak.state().cost;
+  const Pick chosen = plan.feasible ? within : at_min_peak;
+  plan.bucket_bytes = chosen.bucket_bytes;
+  plan.predicted_peak_bytes = chosen.state().peak;
+  plan.peak_phase = chosen.state().phase;
+  plan.recompute_cost = chosen.state().cost;
+  for (const auto& single : profiles.singles) {
+    plan.forward_cost += (*single)[1].forward_cost;
+  }
+  plan.static_bytes = terms.static_bytes();
+  plan.grad_bytes = terms.grad_bytes;
+  plan.num_candidates = cands.num_candidates;
+  plan.num_profiles = profiles.num_profiles;
+  count_activations(trace_back(cands, chosen, plan), profiles.head, plan);
+  for (const auto& r : model.regions) {
+    plan.region_names.push_back(r.name());
+  }
+  plan.name = plan_name(plan.blocks);
+  return plan;
+}
+
+} // namespace
+
+std::vector<const BlockProfile*> Candidates::choices(int64_t i, int64_t k) const {
+  // Unavailable choices (Note [Regions that start in place]) left out: a
+  // run may have none (a segment), never a single region (it runs stored).
+  std::vector<const BlockProfile*> c;
+  if (k == 1) {
+    for (const auto& p : *profiles->singles[i]) {
+      if (p.unavailable.empty()) c.push_back(&p);
+    }
+  } else if (profiles->segments[i][k - 2]->unavailable.empty()) {
+    c.push_back(profiles->segments[i][k - 2].get());
+  }
+  return c;
+}
+
+} // namespace detail
+
+CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options) {
+  using namespace detail;
+  TORCH_CHECK(options.budget_bytes() >= 0,
+              "plan_regions: expected budget_bytes >= 0, but got ", options.budget_bytes());
+  TORCH_CHECK(!model.regions.empty(), "plan_regions: the model has no regions");
+  TORCH_CHECK(static_cast<bool>(model.input),
+              "plan_regions: RegionModel::input is empty (it makes the sample input on a device)");
+  TORCH_CHECK(static_cast<bool>(model.loss),
+              "plan_regions: RegionModel::loss is empty (it makes the scalar loss of the output)");
+  TORCH_CHECK(model.optimizer == nullptr || !model.make_optimizer,
+              "plan_regions: give RegionModel::optimizer or make_optimizer, not both");
+  enable_cpu_meta_kernels();
+  std::lock_guard<std::mutex> lock(prediction_mutex());
+  const OpCostFn cost_fn = options.op_cost() ? options.op_cost() : OpCostFn(flop_cost);
+  const auto& regions = model.regions;
+  const auto L = static_cast<int64_t>(regions.size());
+  const int64_t max_region = std::clamp<int64_t>(options.max_region_blocks(), 1, L);
+  PlanningSwap swap(regions);  // Note [Planning a live model]
+
+  const StaticTerms terms = account_regions(model);
+  RegionShapes shapes = shape_regions(regions, swap, terms);
+  Profiler profiler(regions, swap, shapes, cost_fn);
+  const Profiles profiles = profile_regions(model, options, profiler, shapes, max_region);
+  const Candidates cands = candidates(profiles, terms, max_region);
+  Search search(cands, terms);
+  const int64_t limit = options.budget_bytes() > 0 ? options.budget_bytes() : std::numeric_limits<int64_t>::max();
+  const Pick within = cheapest_within(search, std::max(limit, search.min_peak));
+  const Pick at_min_peak = limit <= search.min_peak ? within : cheapest_within(search, search.min_peak);
+  return assemble(model, options, std::move(shapes), profiles, cands, terms, limit, within, at_min_peak);
+}
+
+std::string to_string(BlockMode mode) {
+  switch (mode) {
+    case BlockMode::kStore: return "store";
+    case BlockMode::kCheckpoint: return "checkpoint";
+    case BlockMode::kSelective: return "selective";
+  }
+  return "unknown";
+}
+
+std::string to_string(const CheckpointPlan& p) {
+  std::ostringstream os;
+  os << fmt::format("checkpoint plan '{}' for a budget of {} B: {}\n", p.name,
+                    p.budget_bytes > 0 ? with_commas(p.budget_bytes) : std::string("(none)"),
+                    p.feasible ? "fits" : "NO PLAN FITS");
+  // Each row: its index and the name the caller gave its region. Left out:
+  // "block" (the reference model's), the index itself, and a C++ type name
+  // (a module holder's default, "torch::nn::LinearImpl": no name was given).
+  std::vector<std::string> labels;
+  size_t width = 6;
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    const std::string name = i < p.region_names.size() ? p.region_names[i] : std::string();
+    const bool given = !name.empty() && name != "block" && name != std::to_string(i) &&
+        name.find("::") == std::string::npos;
+    labels.push_back(given ? fmt::format("{} {}", i, name) : std::to_string(i));
+    width = std::max(width, labels.back().size() + 2);
+  }
+  os << fmt::format("  {:<{}}{:<14}{:>16}{:>18}{:>16}  {}\n", "block", width, "mode", "stored B",
+                    "bwd transient B", "recompute", "saved ops");
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    const auto& b = p.blocks[i];
+    std::string ops;
+    for (const auto& s : b.saved_ops) {
+      ops += (ops.empty() ? "" : " ") + s;
+    }
+    const std::string mode = b.region_blocks == 0 ? "  (region)"
+        : b.region_blocks > 1 ? to_string(b.mode) + " x" + std::to_string(b.region_blocks)
+                              : to_string(b.mode);
+    os << fmt::format("  {:<{}}{:<14}{:>16}{:>18}{:>16.4g}  {}\n", labels[i], width, mode,
+                      with_commas(b.stored_bytes), with_commas(b.backward_transient_bytes), b.recompute_cost,
+                      ops);
+  }
+  os << fmt::format("  predicted peak     {:>16} B ({})\n", with_commas(p.predicted_peak_bytes),
+                    to_string(p.peak_phase));
+  os << fmt::format("    static (params, optimizer state, input) {} B, gradients {} B, "
+                    "activations at the start of backward {} B\n",
+                    with_commas(p.static_bytes), with_commas(p.grad_bytes), with_commas(p.activation_bytes));
+  os << fmt::format("  recompute cost     {:>16.6g} ({:.1f} % of a forward)\n", p.recompute_cost,
+                    p.forward_cost > 0 ? 100.0 * p.recompute_cost / p.forward_cost : 0.0);
+  os << fmt::format("  smallest reachable peak {} B, at a recompute cost of {:.6g}\n",
+                    with_commas(p.min_peak_bytes), p.min_peak_cost);
+  // Unavailable choices, one line per region and reason: the single
+  // region's and the segments' that start there together.
+  for (size_t u = 0; u < p.unavailable.size();) {
+    const auto& first = p.unavailable[u];
+    std::vector<std::string> what;
+    size_t v = u;
+    for (; v < p.unavailable.size() && p.unavailable[v].region == first.region &&
+           p.unavailable[v].reason == first.reason;
+         ++v) {
+      const auto& x = p.unavailable[v];
+      what.push_back(x.blocks > 1 ? fmt::format("{} x{}", to_string(x.mode), x.blocks) : to_string(x.mode));
+    }
+    // Named as the rows above name it (a given name only).
+    const std::string name = static_cast<size_t>(first.region) < p.region_names.size()
+        ? p.region_names[first.region] : std::string();
+    const bool given = !name.empty() && name != "block" && name != std::to_string(first.region) &&
+        name.find("::") == std::string::npos;
+    os << fmt::format("  region {}{}: {} unavailable: {}\n", first.region, given ? " '" + name + "'" : std::string(),
+                      fmt::join(what, ", "), first.reason);
+    u = v;
+  }
+  if (p.bucket_bytes > 0) {
+    os << fmt::format("  the search bucketed stored bytes: no plan is cheaper within the budget less {} B\n",
+                      with_commas(p.bucket_bytes));
+  }
+  return os.str();
+}
+
+} // namespace trainmem

@@ -1,0 +1,432 @@
+#include "trainmem/planner.h"
+
+#include <algorithm>
+#include <cctype>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include <ATen/Context.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/Generator.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <ATen/ops/_scaled_dot_product_attention_math.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/sum.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/function.h>  // Node: node.h only since 2.13
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include "trainmem/accountant.h"
+#include "trainmem/allocator.h"
+#include "trainmem/meta.h"
+#include "trainmem/format.h"
+#include "detail/backward_on_meta.h"
+#include "detail/intercept.h"
+#include "plan/detail/meta_allocator.h"
+#include "plan/detail/meta_step.h"
+#include "detail/optimizer_state.h"
+#include "detail/process_library.h"
+#include "plan/detail/plan_internal.h"
+
+namespace trainmem {
+
+using detail::check_on_meta;
+using detail::CountingObserver;
+using detail::MetaAllocator;
+using detail::prediction_mutex;
+using detail::StepPoint;
+using detail::storage_bytes;
+
+// ---------------------------------------------------------------------------
+// The meta allocator and its counting observer: Note [One meta allocator] in
+// src/plan/detail/meta_allocator.h; the step: Note [A step twice with an
+// optimizer] in src/plan/detail/meta_step.h.
+
+// Meta backward runs through detail::BackwardOnMeta: Note [Gradient
+// accumulation on meta] in src/detail/backward_on_meta.cpp.
+
+namespace {
+
+// Note [CPU matmul operand copies on meta]
+// LibTorch's CPU addmm/mm (addmm_impl_cpu_ in aten/src/ATen/native/
+// LinearAlgebra.cpp) hands BLAS each operand in place when one of its dims
+// has stride 1 and the other a leading dimension BLAS accepts; otherwise it
+// clones the operand contiguous for the call, and frees the clone when the op
+// returns (the output too, were it not so, to a Fortran-contiguous copy).
+// The meta kernels do not, so a meta run missed these bytes. The common
+// case is the gradient of a sum: ones expanded to the output's shape
+// (strides 0, 0), the first gradient of backward; both matmuls of the last
+// Linear's backward clone it (seed 001: 67,108,864 B each, one at a time).
+// cpu_blas_operand_copy_bytes() repeats the kernel's choice for the output
+// and both operands; the meta step below holds a meta tensor of those bytes
+// while the op's output is alive (CPU: output, then the clones, then the
+// clones freed).
+// fp32/fp64 only: the reduced-precision types may take oneDNN's path.
+int64_t cpu_blas_operand_copy_bytes(const at::Tensor& c, const at::Tensor& mat1, const at::Tensor& mat2) {
+  if (!c.defined() || !mat1.defined() || !mat2.defined() || c.dim() != 2 || mat1.dim() != 2 ||
+      mat2.dim() != 2 || c.numel() == 0 || mat1.size(1) == 0) {
+    return 0;
+  }
+  const auto st = mat1.scalar_type();
+  if ((st != at::kFloat && st != at::kDouble) || mat2.scalar_type() != st) {
+    return 0;
+  }
+  // Column-major with a leading dimension >= its rows, or row-major with one
+  // >= its columns: BLAS reads it in place; else a contiguous clone.
+  auto copy = [](const at::Tensor& t) -> int64_t {
+    const int64_t r = t.size(0), k = t.size(1), s0 = t.stride(0), s1 = t.stride(1);
+    const bool ok = (s0 == 1 && s1 >= std::max<int64_t>(1, r)) || (s1 == 1 && s0 >= std::max<int64_t>(1, k));
+    return ok ? 0 : t.numel() * static_cast<int64_t>(t.element_size());
+  };
+  return copy(c) + copy(mat1) + copy(mat2);
+}
+
+// Below autograd, for predict_step_peak: after a meta mm or addmm returns,
+// holds cpu_blas_operand_copy_bytes() on meta for a moment (its output is
+// alive then, as on CPU while the clones are).
+class CpuKernelModel final : public detail::InterceptHandler {
+ public:
+  void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+              torch::jit::Stack* stack) override {
+    const auto& schema = op.schema();
+    const std::string& name = schema.name();
+    const bool mm = name == "aten::mm" && schema.overload_name().empty();
+    const bool addmm = name == "aten::addmm" && schema.overload_name().empty();
+    if (!mm && !addmm) {
+      scope.call_next(op, ks, stack);
+      return;
+    }
+    const size_t n = schema.arguments().size();
+    const size_t first = stack->size() - n;
+    const at::Tensor m1 = (*stack)[first + (mm ? 0 : 1)].toTensor();
+    const at::Tensor m2 = (*stack)[first + (mm ? 1 : 2)].toTensor();
+    scope.call_next(op, ks, stack);
+    if (!m1.is_meta()) {
+      return;
+    }
+    const int64_t bytes = cpu_blas_operand_copy_bytes(stack->back().toTensor(), m1, m2);
+    if (bytes > 0) {
+      at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+    }
+  }
+};
+
+// Counts each parameter's gradient once, when AccumulateGrad has written it.
+class GradWatch {
+ public:
+  GradWatch(const torch::nn::Module& module, CountingObserver* counter) {
+    for (const auto& p : module.parameters(/*recurse=*/true)) {
+      if (!p.requires_grad()) {
+        continue;
+      }
+      auto acc = torch::autograd::impl::grad_accumulator(p);
+      if (!acc) {
+        continue;
+      }
+      auto hook = std::make_unique<Hook>(p, counter);
+      const auto key = acc->add_post_hook(std::move(hook));
+      hooks_.emplace_back(acc, key);
+    }
+  }
+  ~GradWatch() {
+    for (auto& [acc, key] : hooks_) {
+      acc->del_post_hook(key);
+    }
+  }
+  GradWatch(const GradWatch&) = delete;
+  GradWatch& operator=(const GradWatch&) = delete;
+
+ private:
+  struct Hook final : torch::autograd::FunctionPostHook {
+    Hook(at::Tensor p, CountingObserver* c) : param(std::move(p)), counter(c) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list& outputs,
+        const torch::autograd::variable_list& /*inputs*/) override {
+      if (!counted && param.grad().defined()) {
+        counted = true;
+        if (counter != nullptr) {
+          counter->add_grad(storage_bytes(param.grad()));
+        }
+      }
+      return outputs;
+    }
+    at::Tensor param;
+    CountingObserver* counter;
+    bool counted = false;
+  };
+  // shared_ptr<Node> before LibTorch 2.13, intrusive_ptr<Node> since.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
+};
+
+} // namespace
+
+namespace detail {
+
+void check_on_meta(const torch::nn::Module& module, const char* who) {
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(p.value().is_meta(), who, ": parameter '", p.key(), "' is on ", p.value().device(),
+                ", not on the meta device; move the module with trainmem::to_meta() first");
+  }
+}
+
+int64_t storage_bytes(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+// See src/plan/detail/plan_internal.h.
+bool kept_by_autograd(const at::Tensor& t) {
+  const bool accumulator = t.is_leaf() && t.requires_grad() &&
+      torch::autograd::impl::try_get_grad_accumulator(t) != nullptr;
+  return t.use_count() > (accumulator ? 2 : 1) || t.storage().use_count() > 1;
+}
+
+} // namespace detail
+
+// ---------------------------------------------------------------------------
+// Predictions on meta, and the same step measured on CPU
+
+SavedTensorReport predict_saved_activations(
+    const torch::nn::Module& module,
+    const std::function<at::Tensor()>& forward) {
+  TORCH_CHECK(static_cast<bool>(forward), "predict_saved_activations: the forward function is empty");
+  check_on_meta(module, "predict_saved_activations");
+  enable_cpu_meta_kernels();
+  SavedTensorMeter meter(module);
+  {
+    SavedTensorMeterGuard scope(meter);
+    at::Tensor out = forward();
+    TORCH_CHECK(!out.defined() || out.is_meta(),
+                "predict_saved_activations: the forward returned a tensor on ", out.device(),
+                "; build its inputs on the meta device");
+  }
+  return meter.report();
+}
+
+std::string to_string(StepPhase phase) {
+  return phase_name(phase);
+}
+
+namespace {
+
+void set_phase_peak(StepPeak& r) {
+  r.peak_bytes = std::max({r.forward_peak_bytes, r.backward_peak_bytes, r.optimizer_peak_bytes});
+  r.phase = r.peak_bytes == r.backward_peak_bytes ? StepPhase::kBackward
+      : r.peak_bytes == r.forward_peak_bytes      ? StepPhase::kForward
+                                                  : StepPhase::kOptimizerStep;
+}
+
+// The phase peaks of a step (the last one run counts), from its marks
+// (detail::run_steps) and a counter: `live` reads its live bytes,
+// `open_window` starts a peak window at them, `peak` reads the window's
+// peak. The loss is metered (metered()) for the activations saved.
+class PhasePeaks {
+ public:
+  PhasePeaks(torch::nn::Module& module, torch::optim::Optimizer* optimizer, std::function<int64_t()> live,
+             std::function<void()> open_window, std::function<int64_t()> peak)
+      : module_(module), optimizer_(optimizer), live_(std::move(live)), open_window_(std::move(open_window)),
+        peak_(std::move(peak)) {}
+
+  // loss_fn() under this step's meter.
+  at::Tensor metered(const std::function<at::Tensor()>& loss_fn) {
+    SavedTensorMeterGuard scope(*meter_);
+    return loss_fn();
+  }
+
+  void mark(StepPoint point) {
+    switch (point) {
+      case StepPoint::kBegin:
+        r_ = StepPeak();
+        break;
+      case StepPoint::kForward:
+        start();
+        break;
+      case StepPoint::kBackward:
+        r_.forward_peak_bytes = static_bytes_ + peak_() - start_;
+        r_.activation_bytes = meter_->report().saved_bytes;
+        open_window_();
+        break;
+      case StepPoint::kOptimizerStep:
+        r_.backward_peak_bytes = static_bytes_ + peak_() - start_;
+        if (optimizer_ != nullptr) {
+          open_window_();
+        }
+        break;
+      case StepPoint::kEnd:
+        if (optimizer_ != nullptr) {
+          r_.optimizer_peak_bytes = static_bytes_ + peak_() - start_;
+        }
+        set_phase_peak(r_);
+        meter_.reset();
+        break;
+    }
+  }
+
+  const StepPeak& result() const { return r_; }
+
+ private:
+  // The gradients are none: the static buckets, then the forward's window.
+  void start() {
+    const auto buckets = optimizer_ != nullptr ? account(module_, *optimizer_) : account(module_);
+    r_.param_bytes = buckets.param_bytes;
+    r_.optimizer_state_bytes = buckets.optimizer_state_bytes;
+    // Buffers (BatchNorm's running statistics) are live all step, as the
+    // parameters are: they count in every phase's peak, as the allocator
+    // counts them, and have their own term in the decomposition.
+    r_.buffer_bytes = buckets.buffer_bytes;
+    static_bytes_ = buckets.total_bytes();
+    start_ = live_();
+    meter_.emplace(module_);
+    open_window_();
+  }
+
+  torch::nn::Module& module_;
+  torch::optim::Optimizer* optimizer_;
+  std::function<int64_t()> live_;
+  std::function<void()> open_window_;
+  std::function<int64_t()> peak_;
+  StepPeak r_;
+  int64_t static_bytes_ = 0;
+  int64_t start_ = 0;
+  std::optional<SavedTensorMeter> meter_;
+};
+
+// Decomposes a predicted peak: static buckets, the gradients live at the
+// peak (per phase window: forward, backward, optimizer step), the
+// activations at the start of backward, and the rest.
+void decompose(StepPeak& r, const torch::nn::Module& module, const std::vector<int64_t>& grad_at_peak) {
+  const size_t window = r.phase == StepPhase::kForward ? 0 : r.phase == StepPhase::kBackward ? 1 : 2;
+  r.grad_bytes = window < grad_at_peak.size() ? grad_at_peak[window] : 0;
+  if (r.phase == StepPhase::kOptimizerStep) {
+    r.grad_bytes = 0;
+    for (const auto& p : module.parameters()) {
+      r.grad_bytes += storage_bytes(p.grad());
+    }
+  }
+  const int64_t activations = r.phase == StepPhase::kOptimizerStep ? 0 : r.activation_bytes;
+  r.transient_bytes =
+      r.peak_bytes - r.param_bytes - r.buffer_bytes - r.optimizer_state_bytes - r.grad_bytes - activations;
+}
+
+} // namespace
+
+StepPeak predict_step_peak(
+    torch::nn::Module& module,
+    const std::function<at::Tensor()>& loss_fn,
+    torch::optim::Optimizer* optimizer) {
+  TORCH_CHECK(static_cast<bool>(loss_fn), "predict_step_peak: the loss function is empty");
+  check_on_meta(module, "predict_step_peak");
+  enable_cpu_meta_kernels();
+  std::lock_guard<std::mutex> lock(prediction_mutex());
+  detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
+  // What a CPU run allocates besides the meta kernels' outputs: the CPU
+  // matmuls' operand copies (Note [CPU matmul operand copies on meta]) and
+  // the checkpoints' CPU RNG stashes and recompute fork copies (Note
+  // [Checkpoint RNG copies on meta]).
+  CpuKernelModel kernels;
+  detail::register_intercept_fallback();
+  detail::InterceptScope kernel_scope(kernels);
+  detail::MetaRngCopies copies(/*stash=*/true, /*fork=*/true);
+  detail::RngCopyObserverGuard copies_scope(&copies);
+  auto& meta = MetaAllocator::get();
+  CountingObserver counter;
+  detail::MetaObserverScope attached(counter);
+  std::optional<GradWatch> watch;
+  PhasePeaks phases(
+      module, optimizer, [&] { return meta.live_bytes(); }, [&] { counter.open_window(); },
+      [&] { return meta.peak_bytes(); });
+  detail::StepOptions options;
+  options.who = "predict_step_peak";
+  detail::run_meta_step(module, [&] { return phases.metered(loss_fn); }, optimizer, options,
+                        [&](int /*step*/, StepPoint point) {
+                          if (point == StepPoint::kBegin) {
+                            watch.reset();
+                            watch.emplace(module, &counter);  // each gradient counted once a step
+                            counter.clear();
+                          }
+                          phases.mark(point);
+                          if (point == StepPoint::kEnd) {
+                            counter.close_window();
+                          }
+                        });
+  StepPeak r = phases.result();
+  decompose(r, module, counter.grad_at_peak());
+  return r;
+}
+
+StepPeak measure_step_peak(
+    torch::nn::Module& module,
+    const std::function<at::Tensor()>& loss_fn,
+    torch::optim::Optimizer* optimizer) {
+  TORCH_CHECK(static_cast<bool>(loss_fn), "measure_step_peak: the loss function is empty");
+  TORCH_CHECK(CpuMemoryTracker::installed(),
+              "measure_step_peak: install the CpuMemoryTracker first (CpuMemoryTracker::install())");
+  auto& tracker = CpuMemoryTracker::install();
+  std::optional<PeakWindow> window;
+  PhasePeaks phases(
+      module, optimizer, [&] { return tracker.stats().allocated_bytes; }, [&] { window.emplace(tracker); },
+      [&] { return window->peak_bytes(); });
+  detail::StepOptions options;
+  options.who = "measure_step_peak";
+  options.on_meta = false;
+  detail::run_steps(module, [&] { return phases.metered(loss_fn); }, optimizer, options,
+                    [&](int /*step*/, StepPoint point) { phases.mark(point); });
+  StepPeak r = phases.result();
+  r.grad_bytes = -1;
+  r.transient_bytes = -1;
+  return r;
+}
+
+std::string to_string(const StepPeak& p) {
+  std::ostringstream os;
+  os << fmt::format("step peak {:>16} B in the {}\n", with_commas(p.peak_bytes), to_string(p.phase));
+  os << fmt::format("  parameters            {:>16} B\n", with_commas(p.param_bytes));
+  if (p.buffer_bytes != 0) {  // most nets have none
+    os << fmt::format("  buffers               {:>16} B\n", with_commas(p.buffer_bytes));
+  }
+  os << fmt::format("  optimizer state       {:>16} B\n", with_commas(p.optimizer_state_bytes));
+  if (p.grad_bytes >= 0) {
+    os << fmt::format("  gradients at the peak {:>16} B\n", with_commas(p.grad_bytes));
+  }
+  os << fmt::format("  saved activations     {:>16} B (at the start of backward)\n",
+                    with_commas(p.activation_bytes));
+  if (p.transient_bytes != -1) {  // -1: not decomposed (a measurement)
+    os << fmt::format("  largest transient     {:>16} B\n", with_commas(p.transient_bytes));
+  }
+  os << fmt::format("  phase peaks: forward {} B, backward {} B, optimizer step {} B\n",
+                    with_commas(p.forward_peak_bytes), with_commas(p.backward_peak_bytes),
+                    with_commas(p.optimizer_peak_bytes));
+  return os.str();
+}
+
+} // namespace trainmem
