@@ -25,6 +25,7 @@
 
 #include "detail/attribution.h"
 #include "core/detail/checkpoint_state.h"
+#include "core/detail/autocast_on_meta.h"
 #include "detail/intercept.h"
 #include "trainmem/hooks.h"
 
@@ -139,6 +140,9 @@ AutocastState AutocastState::capture() {
         {type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)});
   }
   s.cache_enabled = at::autocast::is_autocast_cache_enabled();
+  if (const auto* guard = AutocastOnMeta::active()) {
+    s.on_meta = guard->preferred();
+  }
   return s;
 }
 
@@ -152,6 +156,9 @@ void AutocastState::apply() const {
 
 AutocastGuard::AutocastGuard(const AutocastState& state) : previous_(AutocastState::capture()) {
   state.apply();
+  if (state.on_meta && AutocastOnMeta::active() == nullptr) {
+    on_meta_ = std::make_unique<AutocastOnMeta>(*state.on_meta);
+  }
 }
 
 AutocastGuard::~AutocastGuard() {

@@ -125,7 +125,8 @@ std::optional<CpuProbe> cpu_probe(const std::string& key, int64_t probe_bytes, c
 int64_t cpu_scratch(const std::string& key, int64_t probe_bytes, const ProbeRun& run) {
   const auto probe = cpu_probe(key, probe_bytes, run);
   if (!probe) {
-    TORCH_WARN_ONCE("trainmem: a convolution's or batch norm's CPU scratch was not measured (its probe ",
+    TORCH_WARN_ONCE("trainmem: an op's CPU scratch (a convolution's, a batch norm's, a bf16 matmul's) was not "
+                    "measured (its probe ",
                     "would take ", probe_bytes, " B, above ", kMaxProbeBytes,
                     " B): predicted peaks leave it out (Note [CPU convolution scratch])");
     return 0;

@@ -273,6 +273,7 @@ void trace_steps(torch::nn::Module& module, const std::function<at::Tensor()>& l
     detail::InterceptScope scope(kernels);
     detail::StepOptions o;
     o.who = "predict_cuda_step_peak";
+    o.autocast_device = c10::kCUDA;
     o.first_step = options.first_step();
     o.forward_only = options.forward_only();
     StepMarks& m = t.marks;

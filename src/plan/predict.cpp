@@ -52,6 +52,8 @@
 #include "trainmem/format.h"
 #include "detail/backward_on_meta.h"
 #include "detail/intercept.h"
+#include "core/detail/cpu_probe.h"
+#include "core/detail/autocast_on_meta.h"
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "detail/optimizer_state.h"
@@ -111,32 +113,136 @@ int64_t cpu_blas_operand_copy_bytes(const at::Tensor& c, const at::Tensor& mat1,
   return copy(c) + copy(mat1) + copy(mat2);
 }
 
+// Note [CPU reduced-precision matmul scratch]
+// In bf16 and fp16 (what autocast runs a CPU matmul in) LibTorch's CPU
+// mm/addmm/bmm/baddbmm go to oneDNN, whose scratchpad comes from c10's CPU
+// allocator: 34,432 B for a (32 x 64) @ (64 x 256) bf16 mm on this machine,
+// after its output and freed before the op returns. Its size follows
+// oneDNN's kernel choice for the CPU's instruction set, so no formula has
+// it: the op is probed once per distinct call (sizes, strides, dtypes,
+// scalars) on zero-filled CPU twins (src/core/detail/cpu_probe.h, as the
+// convolutions are), and the meta step holds the probed scratch, operand
+// copies included, for a moment after the op's output is made. So is
+// `mean`, whose CPU kernel takes 12 B of scratch for an fp32 tensor (8 and 4
+// B, after its output) and an fp32 copy of a bf16 one: a loss's final mean
+// can be the forward's peak.
+int64_t cpu_probed_scratch(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
+  std::ostringstream key;
+  key << op.schema().name() << "." << op.schema().overload_name();
+  int64_t bytes = 0;
+  for (const auto& v : args) {
+    if (v.isTensor()) {
+      key << " " << detail::probe_key(v.toTensor());
+      bytes += 2 * detail::probe_storage_bytes(v.toTensor());  // the twin, and an output as large
+    } else {
+      key << " " << v;  // scalars, dims, flags, dtypes
+    }
+  }
+  return detail::cpu_scratch(key.str(), bytes, [&](const std::function<void()>& open) {
+    torch::jit::Stack cpu;
+    for (const auto& v : args) {
+      cpu.push_back(v.isTensor() ? c10::IValue(detail::cpu_twin(v.toTensor())) : v);
+    }
+    open();
+    op.callBoxed(&cpu);
+    std::vector<at::Tensor> outs;
+    for (const auto& v : cpu) {
+      if (v.isTensor()) {
+        outs.push_back(v.toTensor());
+      }
+    }
+    return outs;
+  });
+}
+
+// Note [Wrapped scalars on meta]
+// The Scalar of a binary op's Scalar overload (add, sub, mul, div and their
+// in-place forms: AdamW's exp_avg.mul_(beta1), x * 0.5) reaches the kernel as
+// a 0-dim CPU tensor that is a "wrapped number": 8 B
+// (a double or a long) from the CPU allocator, and on CPU the kernel's
+// TensorIterator casts it to the op's type (4 B for fp32) while the op runs.
+// On meta the wrapper is made on the CPU too, and nothing casts it, so a
+// meta count misses 12 B during each such op: the peak of a small step's
+// optimizer phase, where AdamW's scalar ops run beside every state tensor.
+// The meta step holds the wrapper's bytes, and the cast's, while the op runs.
+int64_t wrapped_scalar_bytes(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  static const std::unordered_set<std::string> kWrapping = {"aten::add", "aten::add_", "aten::sub", "aten::sub_",
+                                                            "aten::mul", "aten::mul_", "aten::div", "aten::div_"};
+  const auto& schema = op.schema();
+  if (schema.overload_name() != "Scalar" || kWrapping.count(schema.name()) == 0) {
+    return 0;
+  }
+  const size_t n = schema.arguments().size();
+  const c10::IValue& self = stack[stack.size() - n];
+  const c10::IValue& other = stack[stack.size() - n + 1];
+  if (!self.isTensor() || !self.toTensor().defined() || !self.toTensor().is_meta() || !other.isScalar()) {
+    return 0;
+  }
+  const at::ScalarType type = self.toTensor().scalar_type();
+  const at::Scalar value = other.toScalar();
+  const at::ScalarType wrapper = value.isFloatingPoint() ? at::kDouble
+      : value.isComplex()                                ? at::kComplexDouble
+      : value.isBoolean()                                ? at::kBool
+                                                         : at::kLong;
+  return static_cast<int64_t>(c10::elementSize(wrapper)) +
+      (wrapper != type ? static_cast<int64_t>(c10::elementSize(type)) : 0);
+}
+
 // Below autograd, for predict_step_peak: after a meta mm or addmm returns,
 // holds cpu_blas_operand_copy_bytes() on meta for a moment (its output is
-// alive then, as on CPU while the clones are).
+// alive then, as on CPU while the clones are); in bf16 and fp16, what the
+// probe of mm, addmm, bmm or baddbmm measured (Note [CPU reduced-precision
+// matmul scratch]).
 class CpuKernelModel final : public detail::InterceptHandler {
  public:
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
     const auto& schema = op.schema();
     const std::string& name = schema.name();
-    const bool mm = name == "aten::mm" && schema.overload_name().empty();
-    const bool addmm = name == "aten::addmm" && schema.overload_name().empty();
-    if (!mm && !addmm) {
+    const bool plain = schema.overload_name().empty();
+    const bool mm = name == "aten::mm" && plain;
+    const bool addmm = name == "aten::addmm" && plain;
+    const bool batched = (name == "aten::bmm" || name == "aten::baddbmm") && plain;
+    // Note [Wrapped scalars on meta]
+    const auto wrapped = detail::hold_meta_bytes(wrapped_scalar_bytes(op, *stack));
+    if (name == "aten::mean") {
+      probe_after(scope, op, ks, stack);
+      return;
+    }
+    if (!mm && !addmm && !batched) {
       scope.call_next(op, ks, stack);
       return;
     }
     const size_t n = schema.arguments().size();
     const size_t first = stack->size() - n;
-    const at::Tensor m1 = (*stack)[first + (mm ? 0 : 1)].toTensor();
-    const at::Tensor m2 = (*stack)[first + (mm ? 1 : 2)].toTensor();
+    const at::Tensor m1 = (*stack)[first + (mm || name == "aten::bmm" ? 0 : 1)].toTensor();
+    const at::Tensor m2 = (*stack)[first + (mm || name == "aten::bmm" ? 1 : 2)].toTensor();
+    const auto st = m1.scalar_type();
+    const bool reduced = (st == at::kBFloat16 || st == at::kHalf) && m1.is_meta() && detail::probing_enabled();
+    std::optional<torch::jit::Stack> args;
+    if (reduced) {
+      args.emplace(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+    }
     scope.call_next(op, ks, stack);
     if (!m1.is_meta()) {
       return;
     }
-    const int64_t bytes = cpu_blas_operand_copy_bytes(stack->back().toTensor(), m1, m2);
-    if (bytes > 0) {
-      at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+    const int64_t bytes = reduced ? cpu_probed_scratch(op, *args)
+        : batched                 ? 0
+                                  : cpu_blas_operand_copy_bytes(stack->back().toTensor(), m1, m2);
+    detail::hold_meta_bytes(bytes);
+  }
+
+ private:
+  // Runs the op on meta, then holds its probed CPU scratch for a moment.
+  static void probe_after(const detail::InterceptScope& scope, const c10::OperatorHandle& op,
+                          c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const size_t n = op.schema().arguments().size();
+    torch::jit::Stack args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+    const bool meta = !args.empty() && args[0].isTensor() && args[0].toTensor().is_meta();
+    scope.call_next(op, ks, stack);
+    if (meta && detail::probing_enabled()) {
+      detail::hold_meta_bytes(cpu_probed_scratch(op, args));
     }
   }
 };
@@ -224,6 +330,7 @@ SavedTensorReport predict_saved_activations(
   enable_cpu_meta_kernels();
   SavedTensorMeter meter(module);
   {
+    detail::AutocastOnMeta autocast(c10::kCPU);  // Note [Autocast on meta]
     SavedTensorMeterGuard scope(meter);
     at::Tensor out = forward();
     TORCH_CHECK(!out.defined() || out.is_meta(),

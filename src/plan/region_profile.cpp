@@ -51,6 +51,7 @@
 #include "trainmem/format.h"
 #include "detail/backward_on_meta.h"
 #include "detail/intercept.h"
+#include "core/detail/autocast_on_meta.h"
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "detail/optimizer_state.h"
@@ -342,7 +343,16 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     }
   }
   {
-    at::Tensor y = run_forward(run, mode, counting, x, meter);
+    at::Tensor y;
+    {
+      // The forward's ops get autocast's casts where the regions enable it
+      // (Note [Autocast on meta]); backward follows the forward's types.
+      std::optional<detail::AutocastOnMeta> autocast;
+      if (!run.cpu) {
+        autocast.emplace(c10::kCPU);
+      }
+      y = run_forward(run, mode, counting, x, meter);
+    }
     prof.choice.forward_peak_bytes = counter.peak() - base;
     if (mode != BlockMode::kStore && x._version() != input_version) {
       // The checkpoint keeps `x` for its recompute, and the region wrote it:

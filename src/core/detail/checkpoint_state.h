@@ -93,9 +93,15 @@ struct TRAINMEM_API AutocastState {
   };
   std::vector<Entry> entries;
   bool cache_enabled = true;
+  // Captured inside a prediction's forward on meta: the device whose
+  // autocast its AutocastOnMeta preferred, so that the recompute, in
+  // backward, casts as the forward did (Note [Autocast on meta]).
+  std::optional<c10::DeviceType> on_meta;
   static AutocastState capture();
   void apply() const;
 };
+
+class AutocastOnMeta;
 
 // Applies `state` for the scope (thread-local, like autocast itself).
 class TRAINMEM_API AutocastGuard {
@@ -107,6 +113,7 @@ class TRAINMEM_API AutocastGuard {
 
  private:
   AutocastState previous_;
+  std::unique_ptr<AutocastOnMeta> on_meta_;
 };
 
 } // namespace trainmem::detail

@@ -1,5 +1,8 @@
 #include "plan/detail/meta_step.h"
 
+#include "core/detail/autocast_on_meta.h"
+
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -44,7 +47,17 @@ at::Tensor run_step(torch::nn::Module& module, const std::function<at::Tensor()>
     optimizer->zero_grad();
   }
   mark(step, StepPoint::kForward);
-  at::Tensor loss = loss_fn();
+  at::Tensor loss;
+  {
+    // The forward's ops on meta get autocast's casts where the user's code
+    // enables it (Note [Autocast on meta]); backward follows the forward's
+    // types, as on the device.
+    std::optional<AutocastOnMeta> autocast;
+    if (options.on_meta) {
+      autocast.emplace(options.autocast_device);
+    }
+    loss = loss_fn();
+  }
   check_loss(loss, options);
   mark(step, StepPoint::kBackward);
   if (options.forward_only) {

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -32,6 +33,9 @@ struct StepOptions {
   bool on_meta = true;        // backward with BackwardOnMeta, the loss a meta tensor; else loss.backward()
   bool first_step = false;    // with an optimizer: the first step alone, without a warm-up step
   bool forward_only = false;  // one step that stops after the forward (all points marked there)
+  // On meta: whose autocast applies when both CUDA's and the CPU's are
+  // enabled (Note [Autocast on meta]); the prediction's device.
+  c10::DeviceType autocast_device = c10::kCPU;
 };
 
 // Note [A step twice with an optimizer]
