@@ -6,7 +6,9 @@
 #include <optional>
 #include <sstream>
 
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -15,6 +17,7 @@
 #include "trainmem/accountant.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/device.h"
+#include "trainmem/meta.h"
 #ifdef TRAINMEM_WITH_DISTRIBUTED
 #include "app/distributed_trainer.h"
 #endif
@@ -310,9 +313,9 @@ CudaPredictOptions cuda_predict_options(const AuditFlags& f) {
   if (!device || !device->is_cuda()) {
     throw UsageError("--device " + f.device + ": expected cpu or cuda[:index]");
   }
-  if (f.precision != "fp32") {
-    throw UsageError("--device cuda --precision " + f.precision +
-                     ": the CUDA prediction runs fp32 (LibTorch's autocast has no meta dispatch key)");
+  if (f.precision == "fp16-autocast") {
+    throw UsageError("--device cuda --precision fp16-autocast: its GradScaler reads found_inf on the host each "
+                     "step (.item()), which a meta run cannot; predict bf16-autocast, bf16 or fp32");
   }
   if (f.accumulate != 1) {
     throw UsageError("--device cuda predicts one batch; drop --accumulate");
@@ -335,9 +338,49 @@ CudaPredictOptions cuda_predict_options(const AuditFlags& f) {
 
 // estimate --device cuda: the step (forward, loss, backward, optimizer step)
 // run on meta and replayed through the caching-allocator model.
+// In bf16-autocast and bf16 it is the step `trainmem audit --device cuda`
+// runs: the forward under CUDA autocast (its casts on meta: Note [Autocast on
+// meta] in docs/design.md) or the model and batch in bf16, then the loss in
+// fp32.
 CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo) {
-  return predict_cuda_transformer_step(mo, BlockCheckpointing::named(mo.num_layers(), "none"),
-                                       /*adamw=*/true, cuda_predict_options(f));
+  const auto options = cuda_predict_options(f);
+  const auto plan = BlockCheckpointing::named(mo.num_layers(), "none");
+  if (f.precision == "fp32") {
+    return predict_cuda_transformer_step(mo, plan, /*adamw=*/true, options);
+  }
+  const bool pure = f.precision == "bf16";
+  Transformer meta{nullptr};
+  {
+    MetaInitGuard guard;
+    meta = Transformer(mo);
+  }
+  if (pure) {
+    meta->to(at::kBFloat16);
+  }
+  torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  return predict_cuda_step_peak(
+      *meta,
+      [&] {
+        const auto x = at::empty({mo.batch(), mo.seq_len(), mo.d_model()},
+                                 at::TensorOptions().device(at::kMeta).dtype(pure ? at::kBFloat16 : at::kFloat));
+        at::Tensor y;
+        if (pure) {
+          y = meta->forward(x, plan);
+        } else {
+          at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+          at::autocast::set_autocast_enabled(at::kCUDA, true);
+          try {
+            y = meta->forward(x, plan);
+          } catch (...) {
+            at::autocast::set_autocast_enabled(at::kCUDA, false);
+            throw;
+          }
+          at::autocast::set_autocast_enabled(at::kCUDA, false);
+          at::autocast::clear_cache();
+        }
+        return y.to(at::kFloat).pow(2).mean();
+      },
+      &opt, options);
 }
 
 void run_estimate(const AuditFlags& f) {
@@ -415,8 +458,9 @@ void run_estimate(const AuditFlags& f) {
                      "gradients replacing freed activations subtract)\n",
                      with_commas(step_peak), human_bytes(step_peak));
   if (cuda) {
-    out += fmt::format("on {} (a meta run replayed through the CUDA caching-allocator model, {}, no checkpointing):\n",
-                       f.device, f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
+    out += fmt::format("on {} (a meta run replayed through the CUDA caching-allocator model, {}, {}, no "
+                       "checkpointing):\n",
+                       f.device, f.precision, f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
     out += to_string(*cuda);
   }
   std::cout << out;
