@@ -24,9 +24,15 @@ its num_params, activation_bytes and step_peak.activation_bytes must equal
 transformers' parameters and saved bytes (the ctest
 hf.saved_bytes_match_transformers).
 
-usage: hf_saved_bytes.py CONFIG.json BATCH SEQ_LEN [--no-list]
-       hf_saved_bytes.py --check TRAINMEM_CLI CONFIG.json:BATCH:SEQ_LEN...
+With --precision bf16-autocast (after --check, or anywhere in the first
+form) the forward runs under torch.autocast("cpu", torch.bfloat16), and the
+command is given the same flag: its saved bytes come from the CPU autocast
+kernels run on meta.
+
+usage: hf_saved_bytes.py CONFIG.json BATCH SEQ_LEN [--no-list] [--precision bf16-autocast]
+       hf_saved_bytes.py --check TRAINMEM_CLI [--precision bf16-autocast] CONFIG.json:BATCH:SEQ_LEN...
 """
+import contextlib
 import json
 import subprocess
 import sys
@@ -98,7 +104,15 @@ def saved_nodes(root, unpacked):
     return names
 
 
-def measure(path, batch, seq_len):
+def autocast(precision):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16-autocast":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    raise SystemExit(f"unknown --precision {precision}")
+
+
+def measure(path, batch, seq_len, precision="fp32"):
     torch.manual_seed(0)
     model = hf_model(path)
     vocab = model.config.vocab_size
@@ -120,7 +134,7 @@ def measure(path, batch, seq_len):
         unpacked.append(i)
         return packed[i][0]
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), autocast(precision):
         loss = model(input_ids=tokens, labels=tokens).loss
     names = saved_nodes(loss.grad_fn, unpacked)
     saved = [{"node": names.get(i, "?"), "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
@@ -133,25 +147,26 @@ def measure(path, batch, seq_len):
         "architecture": type(model).__name__,
         "batch": batch,
         "seq_len": seq_len,
+        "precision": precision,
         "num_params": num_params(model),
         "saved_bytes": sum(s["bytes"] for s in saved if s["new"]),
         "saved": saved,
     }
 
 
-def check(cli, cases):
+def check(cli, cases, precision):
     bad = 0
     for case in cases:
         path, batch, seq_len = case.rsplit(":", 2)
-        out = subprocess.run([cli, "estimate", "--model", path, "--json", "--batch", batch, "--seq-len", seq_len],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([cli, "estimate", "--model", path, "--json", "--batch", batch, "--seq-len", seq_len,
+                              "--precision", precision], check=True, capture_output=True, text=True).stdout
         ours = json.loads(out)
-        theirs = measure(path, int(batch), int(seq_len))
+        theirs = measure(path, int(batch), int(seq_len), precision)
         got = (ours["num_params"], ours["activation_bytes"], ours["step_peak"]["activation_bytes"])
         want = (theirs["num_params"], theirs["saved_bytes"], theirs["saved_bytes"])
         ok = got == want
         bad += not ok
-        print(f"{path} batch {batch} x {seq_len}: parameters trainmem {got[0]:,} transformers {want[0]:,}; "
+        print(f"{path} batch {batch} x {seq_len}, {precision}: parameters trainmem {got[0]:,} transformers {want[0]:,}; "
               f"saved bytes trainmem {got[1]:,} (step peak's {got[2]:,}), transformers {theirs['transformers']} "
               f"{theirs['architecture']} {want[1]:,}{'' if ok else '  MISMATCH'}")
     if bad:
@@ -160,14 +175,20 @@ def check(cli, cases):
 
 
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] == "--check":
-        check(sys.argv[2], sys.argv[3:])
+    argv = sys.argv[1:]
+    precision = "fp32"
+    if "--precision" in argv:
+        i = argv.index("--precision")
+        precision = argv[i + 1]
+        del argv[i:i + 2]
+    if len(argv) > 1 and argv[0] == "--check":
+        check(argv[1], argv[2:], precision)
         return
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    args = [a for a in argv if not a.startswith("--")]
     if len(args) != 3:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    result = measure(args[0], int(args[1]), int(args[2]))
+    result = measure(args[0], int(args[1]), int(args[2]), precision)
     if "--no-list" in sys.argv:
         del result["saved"]
     print(json.dumps(result, indent=1))

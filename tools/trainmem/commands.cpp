@@ -520,9 +520,10 @@ void add_audit_command(CLI::App& app) {
   sub->callback([f] { run_audit(*f); });
 }
 
-// estimate --model predicts one fp32 AdamW step of the config's model with
-// no checkpointing or accumulation: a flag given for another question is
-// refused, naming it, rather than answered as that one.
+// estimate --model predicts one AdamW step of the config's model (fp32 or
+// bf16-autocast, run_estimate_model checks) with no checkpointing or
+// accumulation: a flag given for another question is refused, naming it,
+// rather than answered as that one.
 void refuse_flags_model_ignores(const CLI::App& sub, const AuditFlags& f) {
   const auto given = [&](const char* name) { return sub.get_option(name)->count() > 0; };
   for (const auto& [name, value] : {std::pair<const char*, int64_t>{"--layers", f.model.layers},
@@ -531,11 +532,6 @@ void refuse_flags_model_ignores(const CLI::App& sub, const AuditFlags& f) {
       throw UsageError(fmt::format("{} {} with --model: the model's shape comes from its config file; drop {}", name,
                                    value, name));
     }
-  }
-  if (f.precision != "fp32") {
-    throw UsageError(fmt::format("--precision {} with --model: estimate --model predicts fp32 only (mixed "
-                                 "precision on meta is not built for config models yet); drop --precision",
-                                 f.precision));
   }
   if (f.optimizer != "adamw") {
     throw UsageError(fmt::format("--optimizer {} with --model: estimate --model predicts AdamW only; drop "
@@ -569,7 +565,8 @@ void add_estimate_command(CLI::App& app) {
       if (f->device != "cpu") {
         cuda = cuda_predict_options(*f);
       }
-      run_estimate_model(*m, f->model.batch, f->model.seq_len, f->json, cuda ? &*cuda : nullptr, f->device);
+      run_estimate_model(*m, f->model.batch, f->model.seq_len, f->json, cuda ? &*cuda : nullptr, f->device,
+                         f->precision);
     } else {
       run_estimate(*f);
     }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -70,8 +71,38 @@ std::string describe(const HfConfig& config, const std::string& path) {
 
 } // namespace
 
+// The model's loss as the user's step runs it: under autocast for `device`
+// in bf16 when `autocast` (its casts made on meta, Note [Autocast on meta]
+// in docs/design.md), the region's cast cache cleared at its end.
+at::Tensor loss_under(const HfModel& model, const at::Tensor& tokens, bool autocast, c10::DeviceType device) {
+  if (!autocast) {
+    return model.loss(tokens);
+  }
+  at::autocast::set_autocast_dtype(device, at::kBFloat16);
+  at::autocast::set_autocast_enabled(device, true);
+  at::Tensor loss;
+  try {
+    loss = model.loss(tokens);
+  } catch (...) {
+    at::autocast::set_autocast_enabled(device, false);
+    at::autocast::clear_cache();
+    throw;
+  }
+  at::autocast::set_autocast_enabled(device, false);
+  at::autocast::clear_cache();
+  return loss;
+}
+
 void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json,
-                        const CudaPredictOptions* cuda_options, const std::string& device) {
+                        const CudaPredictOptions* cuda_options, const std::string& device,
+                        const std::string& precision) {
+  if (precision != "fp32" && precision != "bf16-autocast") {
+    throw UsageError(fmt::format("--precision {} with --model: estimate --model predicts fp32 and bf16-autocast "
+                                 "(a model held in bf16 and fp16 with a GradScaler are not built for config models "
+                                 "yet); drop --precision or use bf16-autocast",
+                                 precision));
+  }
+  const bool amp = precision == "bf16-autocast";
   if (f.ranks < 1) {
     throw UsageError("expected --ranks >= 1, but got " + std::to_string(f.ranks));
   }
@@ -98,15 +129,19 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
   const auto tokens = [&] {
     return at::empty({batch, seq_len}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
   };
-  const auto saved = predict_saved_activations(*model.module, [&] { return model.loss(tokens()); });
+  // The CPU's figures under the CPU's autocast policy, the CUDA ones under CUDA's.
+  const auto saved = predict_saved_activations(*model.module, [&] { return loss_under(model, tokens(), amp, at::kCPU); });
   torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
-  const auto peak = predict_step_peak(*model.module, [&] { return model.loss(tokens()); }, &opt);
+  const auto peak =
+      predict_step_peak(*model.module, [&] { return loss_under(model, tokens(), amp, at::kCPU); }, &opt);
   std::optional<CudaStepPrediction> cuda;
   if (cuda_options != nullptr) {
     // A fresh optimizer: predict_cuda_step_peak runs its own two steps.
     torch::optim::AdamW cuda_opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
-    cuda = predict_cuda_step_peak(*model.module, [&] { return model.loss(tokens()); }, &cuda_opt, *cuda_options);
+    cuda = predict_cuda_step_peak(
+        *model.module, [&] { return loss_under(model, tokens(), amp, at::kCUDA); }, &cuda_opt, *cuda_options);
   }
+  const std::string how = amp ? "bf16-autocast (fp32 weights, gradients and AdamW state)" : "fp32";
 
   if (json) {
     nlohmann::ordered_json j;
@@ -136,8 +171,9 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                               {"device_per_rank_bytes", s.device_per_rank_bytes},
                               {"host_per_rank_bytes", s.host_per_rank_bytes}});
     }
+    j["precision"] = precision;
     j["activation_bytes"] = saved.saved_bytes;
-    j["activation_dtype"] = "fp32";
+    j["activation_dtype"] = amp ? "bf16-autocast (the CPU's policy)" : "fp32";
     j["step_peak"] = {{"recipe", to_string(Recipe::kFp32AdamW)},
                       {"peak_bytes", peak.peak_bytes},
                       {"phase", to_string(peak.phase)},
@@ -168,18 +204,19 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                        with_commas(s.device_per_rank_bytes), human_bytes(s.device_per_rank_bytes),
                        with_commas(s.host_per_rank_bytes));
   }
-  out += fmt::format("activations of one micro-batch (batch {} x {} tokens, fp32, no checkpointing)\n", batch,
-                     seq_len);
+  out += fmt::format("activations of one micro-batch (batch {} x {} tokens, {}, no checkpointing)\n", batch,
+                     seq_len, amp ? "bf16-autocast on the CPU's autocast policy" : "fp32");
   out += fmt::format("  {:<26} {:>20} B  {:>10}  (exact on meta)\n", "saved for backward",
                      with_commas(saved.saved_bytes), human_bytes(saved.saved_bytes));
-  out += fmt::format("step peak, fp32 AdamW, one rank {:>20} B  {:>10}  in the {} (forward {} B, backward {} B, "
+  out += fmt::format("step peak, {} AdamW, one rank {:>20} B  {:>10}  in the {} (forward {} B, backward {} B, "
                      "optimizer step {} B)\n",
-                     with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
+                     amp ? "bf16-autocast (CPU)" : "fp32", with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
                      with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
                      with_commas(peak.optimizer_peak_bytes));
   if (cuda) {
-    out += fmt::format("on {} (the same step replayed through the CUDA caching-allocator model, fp32 AdamW, one rank):\n",
-                       device);
+    out += fmt::format("on {} (the same step replayed through the CUDA caching-allocator model, {} AdamW, one "
+                       "rank):\n",
+                       device, amp ? "bf16-autocast on CUDA's policy," : "fp32");
     out += to_string(*cuda);
   }
   std::cout << out;

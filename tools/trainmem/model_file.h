@@ -28,7 +28,8 @@ void add_model_file_flags(CLI::App& sub, ModelFileFlags& flags);
 /// `device` (cuda_predict.h). Throws UsageError (exit 2) naming the key and
 /// value of a bad config or flag.
 void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_len, bool json,
-                        const CudaPredictOptions* cuda = nullptr, const std::string& device = "cpu");
+                        const CudaPredictOptions* cuda = nullptr, const std::string& device = "cpu",
+                        const std::string& precision = "fp32");
 
 /// `trainmem plan --model FILE --budget B`: the model's checkpoint plan for a
 /// fp32 AdamW step of a (batch, seq_len) micro-batch, planned on meta
