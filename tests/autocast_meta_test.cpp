@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -336,6 +337,57 @@ TEST(AutocastMetaTest, StepOfAnLstmUnderCpuAutocastIsExact) {
   };
   // Measured here: the forward's peak 6,144 B (0.49 %) above the meta one.
   expect_step_matches("LSTM", make(), make(), {4, 12, 32}, at::kBFloat16, 6144);
+}
+
+} // namespace
+
+namespace {
+
+// A prediction that throws, in the forward under autocast, in meta backward
+// or in the optimizer's step, leaves nothing behind: autocast on meta is off
+// again, and the next real CPU step and its measurement work.
+struct ThrowsInBackward : torch::autograd::Function<ThrowsInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x * 2; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    TORCH_CHECK(false, "backward failed on purpose");
+  }
+};
+
+TEST(AutocastMetaTest, APredictionThatThrowsLeavesNothingBehind) {
+  trainmem::CpuMemoryTracker::install();
+  auto make = [] {
+    torch::manual_seed(0);
+    return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::GELU(), torch::nn::Linear(32, 16));
+  };
+  auto cpu = make();
+  auto meta = make();
+  trainmem::to_meta(*meta);
+  torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto in = std::vector<int64_t>{8, 16};
+  EXPECT_THROW(trainmem::predict_step_peak(*meta, [&]() -> at::Tensor {
+    Autocast ac(c10::kCPU, at::kBFloat16);
+    meta->forward(at::empty(in, at::kMeta));
+    TORCH_CHECK(false, "forward failed on purpose");
+  }, &meta_opt), c10::Error);
+  EXPECT_THROW(trainmem::predict_step_peak(*meta, [&] {
+    Autocast ac(c10::kCPU, at::kBFloat16);
+    return ThrowsInBackward::apply(meta->forward(at::empty(in, at::kMeta))).to(at::kFloat).sum();
+  }, &meta_opt), c10::Error);
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
+  // Autocast off and no guard left: a meta op runs in fp32, a CPU step works.
+  const auto y = meta->forward(at::empty(in, at::kMeta));
+  EXPECT_EQ(y.scalar_type(), at::kFloat);
+  torch::optim::AdamW cpu_opt(cpu->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto measured = trainmem::measure_step_peak(*cpu, [&] { return cpu->forward(at::randn(in)).pow(2).mean(); },
+                                                    &cpu_opt);
+  const auto predicted = trainmem::predict_step_peak(*meta, [&] {
+    return meta->forward(at::empty(in, at::kMeta)).pow(2).mean();
+  }, &meta_opt);
+  EXPECT_EQ(predicted.peak_bytes, measured.peak_bytes);
+  for (const auto& p : meta->parameters()) {
+    EXPECT_FALSE(p.grad().defined()) << "a prediction leaves no gradient";
+  }
 }
 
 } // namespace
