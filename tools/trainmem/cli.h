@@ -6,11 +6,14 @@
 // names the bad value), 3 a check failed (a budget that cannot be met).
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
 
+#include <ATen/core/Tensor.h>
 #include <CLI/CLI.hpp>
+#include <c10/core/DeviceType.h>
 
 namespace trainmem::cli {
 
@@ -134,5 +137,11 @@ void add_plan_command(CLI::App& app);
 
 /// `trainmem snapshot FILE`: replay a recorded CUDA memory snapshot (snapshot.cpp).
 void add_snapshot_command(CLI::App& app);
+
+/// Runs `fn` as a training loop's autocast region runs its forward: autocast
+/// on for `device` in `dtype`, then off again and its cast cache cleared,
+/// also when `fn` throws. On meta the casts are made as on the device (Note
+/// [Autocast on meta] in docs/design.md).
+at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype, const std::function<at::Tensor()>& fn);
 
 } // namespace trainmem::cli

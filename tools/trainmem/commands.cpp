@@ -6,7 +6,6 @@
 #include <optional>
 #include <sstream>
 
-#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/adamw.h>
 #include <fmt/format.h>
@@ -363,21 +362,8 @@ CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& 
       [&] {
         const auto x = at::empty({mo.batch(), mo.seq_len(), mo.d_model()},
                                  at::TensorOptions().device(at::kMeta).dtype(pure ? at::kBFloat16 : at::kFloat));
-        at::Tensor y;
-        if (pure) {
-          y = meta->forward(x, plan);
-        } else {
-          at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-          at::autocast::set_autocast_enabled(at::kCUDA, true);
-          try {
-            y = meta->forward(x, plan);
-          } catch (...) {
-            at::autocast::set_autocast_enabled(at::kCUDA, false);
-            throw;
-          }
-          at::autocast::set_autocast_enabled(at::kCUDA, false);
-          at::autocast::clear_cache();
-        }
+        const at::Tensor y = pure ? meta->forward(x, plan)
+                                  : run_under_autocast(at::kCUDA, at::kBFloat16, [&] { return meta->forward(x, plan); });
         return y.to(at::kFloat).pow(2).mean();
       },
       &opt, options);

@@ -7,7 +7,6 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -72,25 +71,12 @@ std::string describe(const HfConfig& config, const std::string& path) {
 } // namespace
 
 // The model's loss as the user's step runs it: under autocast for `device`
-// in bf16 when `autocast` (its casts made on meta, Note [Autocast on meta]
-// in docs/design.md), the region's cast cache cleared at its end.
+// in bf16 when `autocast`.
 at::Tensor loss_under(const HfModel& model, const at::Tensor& tokens, bool autocast, c10::DeviceType device) {
   if (!autocast) {
     return model.loss(tokens);
   }
-  at::autocast::set_autocast_dtype(device, at::kBFloat16);
-  at::autocast::set_autocast_enabled(device, true);
-  at::Tensor loss;
-  try {
-    loss = model.loss(tokens);
-  } catch (...) {
-    at::autocast::set_autocast_enabled(device, false);
-    at::autocast::clear_cache();
-    throw;
-  }
-  at::autocast::set_autocast_enabled(device, false);
-  at::autocast::clear_cache();
-  return loss;
+  return run_under_autocast(device, at::kBFloat16, [&] { return model.loss(tokens); });
 }
 
 void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json,
