@@ -149,7 +149,6 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
       map_tensors(stack, n, [&](const at::Tensor& t) {
         return t.defined() && t.is_meta() ? make_proxy(*guard, t, on) : t;
       });
-      ++guard->num_autocast_ops;
       op.redispatchBoxed(c10::DispatchKeySet(key), stack);  // the registered autocast kernel
       map_tensors(stack, op.schema().returns().size(), unwrap);
       return;

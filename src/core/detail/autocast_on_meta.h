@@ -3,7 +3,6 @@
 // kernels make, applied to the ops a prediction runs on meta (core layer: the
 // predictions open it for their forward, a checkpoint's recompute again for
 // its own; not installed). See docs/design.md, Note [Autocast on meta].
-#include <cstdint>
 #include <unordered_map>
 
 #include <ATen/core/Tensor.h>
@@ -37,8 +36,6 @@ class AutocastOnMeta {
   static const AutocastOnMeta* active();
   // The stand-in of a weight (made once per guard).
   at::Tensor& weight_proxy(const c10::TensorImpl* weight) { return proxies_[weight]; }
-  // Casts made under this guard (ops run through an autocast kernel).
-  int64_t num_autocast_ops = 0;
 
  private:
   c10::DeviceType preferred_;
