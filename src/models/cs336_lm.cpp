@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -33,54 +34,8 @@ void trunc_normal(at::Tensor& t, double stddev) {
   t.normal_(0.0, stddev).clamp_(-3.0 * stddev, 3.0 * stddev);
 }
 
-// The active Cs336Autocast of this thread, or null.
-thread_local Cs336Autocast* t_autocast = nullptr;
-
-// autocast's cast to the lower precision (its lower_precision_fp ops:
-// einsum): floating tensors not already in it are cast; a leaf that requires
-// grad (a parameter) is cast once and kept in the region's cache.
-at::Tensor autocast_lower(const at::Tensor& t) {
-  if (t_autocast == nullptr || !t.is_floating_point() || t.scalar_type() == at::kDouble ||
-      t.scalar_type() == t_autocast->dtype()) {
-    return t;
-  }
-  if (t.is_leaf() && t.requires_grad()) {
-    auto& cached = t_autocast->cached(t);
-    if (!cached.defined()) {
-      cached = t.to(t_autocast->dtype());
-    }
-    return cached;
-  }
-  return t.to(t_autocast->dtype());
-}
-
-// autocast's cast to float32 (its fp32 ops: exp, log, sum, pow, norms).
-at::Tensor autocast_fp32(const at::Tensor& t) {
-  if (t_autocast == nullptr || !t.is_floating_point() || t.scalar_type() == at::kFloat ||
-      t.scalar_type() == at::kDouble) {
-    return t;
-  }
-  return t.to(at::kFloat);
-}
-
-// einsum as autocast runs it: its operands cast, in order.
-at::Tensor autocast_einsum(c10::string_view equation, const at::Tensor& a, const at::Tensor& b) {
-  const at::Tensor ca = autocast_lower(a);
-  const at::Tensor cb = autocast_lower(b);
-  return at::einsum(equation, {ca, cb});
-}
-
 } // namespace
 
-Cs336Autocast::Cs336Autocast(at::ScalarType dtype) : dtype_(dtype), previous_(t_autocast) {
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
-              "Cs336Autocast: the lower precision must be bfloat16 or float16, but got ", dtype);
-  t_autocast = this;
-}
-
-Cs336Autocast::~Cs336Autocast() {
-  t_autocast = previous_;
-}
 
 // ---- Linear (transformer.py:22: einsum) ----
 
@@ -104,7 +59,7 @@ void Cs336LinearImpl::reset() {
 // gradient is transposed and cloned. Asking for the output as "o..." keeps
 // 2.6's order in every version; movedim makes the same view 2.6 returned.
 at::Tensor Cs336LinearImpl::forward(const at::Tensor& x) {
-  return autocast_einsum("oi,...i->o...", weight, x).movedim(0, -1);
+  return at::einsum("oi,...i->o...", {weight, x}).movedim(0, -1);
 }
 
 // ---- Embedding (transformer.py:39: weight[token_ids]) ----
@@ -138,13 +93,13 @@ void Cs336RMSNormImpl::reset() {
 at::Tensor Cs336RMSNormImpl::forward(const at::Tensor& input) {
   const auto in_dtype = input.scalar_type();
   const at::Tensor x = input.to(at::kFloat);  // the upcast (the residual stream is float32 already)
-  at::Tensor norm = at::linalg_vector_norm(autocast_fp32(x), 2, at::IntArrayRef{-1}, /*keepdim=*/true);  // 54
-  at::Tensor rms = autocast_fp32(norm).pow(2);                                           // 55: pow,
+  at::Tensor norm = at::linalg_vector_norm(x, 2, at::IntArrayRef{-1}, /*keepdim=*/true);  // 54
+  at::Tensor rms = norm.pow(2);                                           // 55: pow,
   rms = rms / static_cast<double>(d_model_);                                             //     div,
   rms = rms + eps_;                                                                      //     add,
   rms = at::sqrt(rms);                                                                   //     sqrt
   at::Tensor normed = x / rms;                                                           // 56
-  at::Tensor out = autocast_einsum("d,...d->...d", weight, normed);                      // 57: a mul
+  at::Tensor out = at::einsum("d,...d->...d", {weight, normed});                      // 57: a mul
   return out.to(in_dtype);                                                               // 59
 }
 
@@ -188,18 +143,18 @@ at::Tensor Cs336RopeImpl::forward(const at::Tensor& x, const at::Tensor& positio
 
 at::Tensor cs336_softmax(const at::Tensor& x, int64_t dim) {
   at::Tensor max = std::get<0>(at::max(x, dim, /*keepdim=*/true));  // 135
-  at::Tensor e = at::exp(autocast_fp32(x - max));                    // 138
-  at::Tensor sum = autocast_fp32(e).sum(dim, /*keepdim=*/true);      // 140
+  at::Tensor e = at::exp(x - max);                    // 138
+  at::Tensor sum = e.sum(dim, /*keepdim=*/true);      // 140
   return e / sum;                                                    // 142
 }
 
 at::Tensor cs336_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
-  at::Tensor scores = autocast_einsum("...qd,...kd->...qk", q, k);                // 147
+  at::Tensor scores = at::einsum("...qd,...kd->...qk", {q, k});                // 147
   scores = scores / std::sqrt(static_cast<double>(q.size(-1)));                   // 148
   at::Tensor masked_out = at::eq(mask.expand_as(scores), 0);                      // 151
   scores = scores.masked_fill(masked_out, -std::numeric_limits<double>::infinity());
   at::Tensor probs = cs336_softmax(scores, -1);                                   // 153
-  return autocast_einsum("...qk,...kd->...qd", probs, v);                          // 154
+  return at::einsum("...qk,...kd->...qd", {probs, v});                          // 154
 }
 
 // ---- Multi-head self-attention (transformer.py:188-212) ----
@@ -323,13 +278,13 @@ at::Tensor cs336_cross_entropy(const at::Tensor& logits, const at::Tensor& targe
   const int64_t V = logits.size(-1), N = targets.numel();
   at::Tensor max = std::get<0>(logits.max(-1, /*keepdim=*/true));  // 21
   at::Tensor shifted = logits - max;                               // 22
-  at::Tensor e = at::exp(autocast_fp32(shifted));                  // 25
-  at::Tensor sum = autocast_fp32(e).sum(-1, /*keepdim=*/true);     // 26
+  at::Tensor e = at::exp(shifted);                  // 25
+  at::Tensor sum = e.sum(-1, /*keepdim=*/true);     // 26
   // 29: shifted[arange(N), targets]; the run's arange is a CPU tensor, which
   // the index copies to the device for the kernel only (a temporary).
   at::Tensor target_logits = shifted.reshape({N, V}).index({at::arange(N, at::TensorOptions().dtype(at::kLong)),
                                                              targets.reshape({N})});
-  at::Tensor losses = at::log(autocast_fp32(sum)).reshape({N});    // 31
+  at::Tensor losses = at::log(sum).reshape({N});    // 31
   losses = losses - target_logits;
   return losses.mean();                                            // 33
 }
@@ -418,11 +373,24 @@ RegionModel cs336_region_model(const Cs336TransformerLM& model, int64_t batch_si
 CudaStepPrediction predict_cs336_run(const Cs336Options& model_options, Cs336Run run, int64_t batch_size,
                                      CudaPredictOptions cuda, std::optional<at::ScalarType> autocast) {
   TORCH_CHECK(batch_size > 0, "predict_cs336_run: batch_size must be positive, but got ", batch_size);
-  // The autocast region spans the recording; its weight cache lives to the
-  // end (destroyed after the prediction, as the region's exit clears it).
-  std::optional<Cs336Autocast> region;
+  // The autocast region spans the recording, as torch.autocast("cuda", dtype)
+  // did: LibTorch's own CUDA autocast, its casts made on meta (Note
+  // [Autocast on meta]); its weight cache lives to the forward's end.
+  struct Region {
+    bool on = false;
+    ~Region() {
+      if (on) {
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        at::autocast::clear_cache();
+      }
+    }
+  } region;
   if (autocast) {
-    region.emplace(*autocast);
+    TORCH_CHECK(*autocast == at::kBFloat16 || *autocast == at::kHalf,
+                "predict_cs336_run: the autocast dtype must be bfloat16 or float16, but got ", *autocast);
+    at::autocast::set_autocast_dtype(at::kCUDA, *autocast);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    region.on = true;
   }
   Cs336TransformerLM model{nullptr};
   {

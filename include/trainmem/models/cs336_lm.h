@@ -223,27 +223,6 @@ class TRAINMEM_API Cs336AdamW : public torch::optim::Optimizer {
   at::Tensor step(LossClosure closure = nullptr) override;
 };
 
-/// Thread-local RAII region that runs this model's ops as
-/// `torch.autocast(device_type="cuda", dtype)` runs them on CUDA, for meta
-/// tensors (which autocast does not see): einsum's operands cast to `dtype`
-/// (a parameter once, kept in the region's cache until the region ends),
-/// exp, sum, log, pow and the norm in float32. Only the ops this file's model,
-/// loss and optimizer call; regions nest.
-class TRAINMEM_API Cs336Autocast {
- public:
-  explicit Cs336Autocast(at::ScalarType dtype = at::kBFloat16);
-  ~Cs336Autocast();
-  Cs336Autocast(const Cs336Autocast&) = delete;
-  Cs336Autocast& operator=(const Cs336Autocast&) = delete;
-  at::ScalarType dtype() const { return dtype_; }
-  /// The region's cast of `param` (undefined until made).
-  at::Tensor& cached(const at::Tensor& param) { return cache_[param.unsafeGetTensorImpl()]; }
- private:
-  std::unordered_map<const void*, at::Tensor> cache_;  // by the parameter's TensorImpl
-  at::ScalarType dtype_;
-  Cs336Autocast* previous_;
-};
-
 /// The model as regions for the planner (planner.h): `token_embeddings`,
 /// `layers.0` ... `layers.31` (one block each), `head` (ln_final, lm_head);
 /// input: `batch` x context zero tokens; loss: cs336_cross_entropy against
@@ -272,7 +251,8 @@ enum class Cs336Run {
 /// allocator settings and workspace sizes (the recording's H100:
 /// kCublasWorkspaceHopperBytes); its resident, first_step and forward_only
 /// are set here. `autocast`: the run inside `torch.autocast(dtype)` (the
-/// *_mixed recordings: bfloat16), emulated with Cs336Autocast.
+/// *_mixed recordings: bfloat16): LibTorch's CUDA autocast, its casts made
+/// on meta (docs/design.md, Note [Autocast on meta]).
 TRAINMEM_API CudaStepPrediction predict_cs336_run(const Cs336Options& model, Cs336Run run, int64_t batch_size = 4,
                                      CudaPredictOptions cuda = {},
                                      std::optional<at::ScalarType> autocast = std::nullopt);
