@@ -62,7 +62,7 @@
 
 #include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
-#include "trainmem/models/cs336_lm.h"
+#include "support/cs336_lm.h"
 #include "trainmem/planner.h"
 #include "trainmem/snapshot.h"
 

@@ -16,7 +16,6 @@
 #include "trainmem/hooks.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
-#include "trainmem/models/cs336_lm.h"
 #include "trainmem/models/gpt.h"
 #include "trainmem/models/hf_model.h"
 #include "trainmem/models/transformer.h"

@@ -1,5 +1,7 @@
 #pragma once
 /// \file cs336_lm.h
+/// Test support, not installed: the client the CUDA allocator model and
+/// autocast on meta are held to (tests/cs336_predict_test.cpp).
 /// The Transformer language model, loss and AdamW of a recorded GPU run:
 /// kkaitlyn111/cs336-a2-systems (Stanford CS336, assignment 2), whose
 /// cs336_systems/benchmark.py `run_memory_foward_fullstep` recorded
@@ -42,7 +44,6 @@
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 
-#include "trainmem/export.h"
 #include "trainmem/cuda_predict.h"
 #include "trainmem/planner.h"
 
@@ -61,7 +62,7 @@ struct Cs336Options {
 };
 
 /// Linear without bias: weight (d_out, d_in), `einsum("...i,oi->...o")`.
-class TRAINMEM_API Cs336LinearImpl : public torch::nn::Cloneable<Cs336LinearImpl> {
+class Cs336LinearImpl : public torch::nn::Cloneable<Cs336LinearImpl> {
  public:
   Cs336LinearImpl(int64_t d_in, int64_t d_out);
   void reset() override;
@@ -73,7 +74,7 @@ class TRAINMEM_API Cs336LinearImpl : public torch::nn::Cloneable<Cs336LinearImpl
 TORCH_MODULE(Cs336Linear);
 
 /// Embedding: `weight[token_ids]` (an index, not index_select).
-class TRAINMEM_API Cs336EmbeddingImpl : public torch::nn::Cloneable<Cs336EmbeddingImpl> {
+class Cs336EmbeddingImpl : public torch::nn::Cloneable<Cs336EmbeddingImpl> {
  public:
   Cs336EmbeddingImpl(int64_t vocab_size, int64_t d_model);
   void reset() override;
@@ -87,7 +88,7 @@ TORCH_MODULE(Cs336Embedding);
 /// RMSNorm: `x` upcast to float32, `norm = ||x||_2` over the last dim
 /// (keepdim), `rms = sqrt(norm^2 / d + eps)`, `einsum("d,...d->...d", weight,
 /// x / rms)`, cast back to the input's dtype.
-class TRAINMEM_API Cs336RMSNormImpl : public torch::nn::Cloneable<Cs336RMSNormImpl> {
+class Cs336RMSNormImpl : public torch::nn::Cloneable<Cs336RMSNormImpl> {
  public:
   Cs336RMSNormImpl(int64_t d_model, double eps);
   void reset() override;
@@ -103,7 +104,7 @@ TORCH_MODULE(Cs336RMSNorm);
 /// forward(x (..., T, d_k), positions (B, T)): `cos = table[0][positions]`,
 /// `sin = table[1][positions]`, `out = zeros_like(x)`, then
 /// `out[..., 0::2] = x1 * cos - x2 * sin` and `out[..., 1::2] = x1 * sin + x2 * cos`.
-class TRAINMEM_API Cs336RopeImpl : public torch::nn::Cloneable<Cs336RopeImpl> {
+class Cs336RopeImpl : public torch::nn::Cloneable<Cs336RopeImpl> {
  public:
   Cs336RopeImpl(double theta, int64_t d_k, int64_t context_length);
   void reset() override;
@@ -118,7 +119,7 @@ TORCH_MODULE(Cs336Rope);
 /// Causal multi-head self-attention: q, k, v projections, heads split by
 /// views, RoPE on q and k, causal mask, cs336_attention, heads merged (a
 /// copy), output projection.
-class TRAINMEM_API Cs336AttentionImpl : public torch::nn::Cloneable<Cs336AttentionImpl> {
+class Cs336AttentionImpl : public torch::nn::Cloneable<Cs336AttentionImpl> {
  public:
   explicit Cs336AttentionImpl(const Cs336Options& o);
   void reset() override;
@@ -131,7 +132,7 @@ class TRAINMEM_API Cs336AttentionImpl : public torch::nn::Cloneable<Cs336Attenti
 TORCH_MODULE(Cs336Attention);
 
 /// SwiGLU: `a = w1(x)`, `b = w3(x)`, `w2((a * sigmoid(a)) * b)`.
-class TRAINMEM_API Cs336SwiGLUImpl : public torch::nn::Cloneable<Cs336SwiGLUImpl> {
+class Cs336SwiGLUImpl : public torch::nn::Cloneable<Cs336SwiGLUImpl> {
  public:
   Cs336SwiGLUImpl(int64_t d_model, int64_t d_ff);
   void reset() override;
@@ -145,7 +146,7 @@ TORCH_MODULE(Cs336SwiGLU);
 /// Pre-norm block: `h = ln1(x); h = attn(h); x = x + h; h = ln2(x); h =
 /// ffn(h); x + h` (one local `h`, so each sublayer's input dies when the next
 /// is assigned, unless autograd saved it).
-class TRAINMEM_API Cs336BlockImpl : public torch::nn::Cloneable<Cs336BlockImpl> {
+class Cs336BlockImpl : public torch::nn::Cloneable<Cs336BlockImpl> {
  public:
   explicit Cs336BlockImpl(const Cs336Options& o);
   void reset() override;
@@ -162,7 +163,7 @@ TORCH_MODULE(Cs336Block);
 /// The language model: embedding, blocks, final RMSNorm, LM head (untied).
 /// Parameters in the run's order: token_embeddings, per layer ln1, q, k, v,
 /// output projections, ln2, w1, w2, w3, then ln_final and lm_head.
-class TRAINMEM_API Cs336TransformerLMImpl : public torch::nn::Cloneable<Cs336TransformerLMImpl> {
+class Cs336TransformerLMImpl : public torch::nn::Cloneable<Cs336TransformerLMImpl> {
  public:
   explicit Cs336TransformerLMImpl(const Cs336Options& o = {});
   void reset() override;
@@ -179,20 +180,20 @@ class TRAINMEM_API Cs336TransformerLMImpl : public torch::nn::Cloneable<Cs336Tra
 TORCH_MODULE(Cs336TransformerLM);
 
 /// Softmax over `dim`: `exp(x - max) / sum`.
-TRAINMEM_API at::Tensor cs336_softmax(const at::Tensor& x, int64_t dim);
+at::Tensor cs336_softmax(const at::Tensor& x, int64_t dim);
 
 /// Scaled dot-product attention: `einsum(q, k)`, divided by sqrt(d_k),
 /// `masked_fill(mask == 0, -inf)` (mask (T, T) bool, true where allowed,
 /// compared at the scores' shape), cs336_softmax, `einsum(p, v)`.
-TRAINMEM_API at::Tensor cs336_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask);
+at::Tensor cs336_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask);
 
 /// Mean cross-entropy of logits (B, T, V) against targets (B, T):
 /// `shifted = logits - max`, `log(sum(exp(shifted))) - shifted[i, target_i]`, mean.
-TRAINMEM_API at::Tensor cs336_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
+at::Tensor cs336_cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
 
 /// The run's AdamW hyper-parameters (lr 1e-4, betas (0.9, 0.95), eps 1e-8,
 /// weight decay 0.01).
-struct TRAINMEM_API Cs336AdamWOptions : public torch::optim::OptimizerCloneableOptions<Cs336AdamWOptions> {
+struct Cs336AdamWOptions : public torch::optim::OptimizerCloneableOptions<Cs336AdamWOptions> {
   Cs336AdamWOptions(double lr = 1e-4) : lr_(lr) {}  // NOLINT(google-explicit-constructor): as AdamWOptions
   TORCH_ARG(double, lr) = 1e-4;
   TORCH_ARG(double, beta1) = 0.9;
@@ -204,7 +205,7 @@ struct TRAINMEM_API Cs336AdamWOptions : public torch::optim::OptimizerCloneableO
 };
 
 /// Its per-parameter state: step, m, v.
-struct TRAINMEM_API Cs336AdamWParamState : public torch::optim::OptimizerCloneableParamState<Cs336AdamWParamState> {
+struct Cs336AdamWParamState : public torch::optim::OptimizerCloneableParamState<Cs336AdamWParamState> {
   TORCH_ARG(int64_t, step) = 0;
   TORCH_ARG(at::Tensor, m);
   TORCH_ARG(at::Tensor, v);
@@ -217,7 +218,7 @@ struct TRAINMEM_API Cs336AdamWParamState : public torch::optim::OptimizerCloneab
 /// parameter's replaces it, as the Python loop's local does); in place
 /// `p -= lr_t update` and `p -= lr wd p`. Two temporaries per parameter,
 /// nothing else allocated.
-class TRAINMEM_API Cs336AdamW : public torch::optim::Optimizer {
+class Cs336AdamW : public torch::optim::Optimizer {
  public:
   explicit Cs336AdamW(std::vector<at::Tensor> params, Cs336AdamWOptions defaults = {});
   at::Tensor step(LossClosure closure = nullptr) override;
@@ -234,7 +235,7 @@ class TRAINMEM_API Cs336AdamW : public torch::optim::Optimizer {
 /// auto plan = trainmem::plan_regions_cuda(m, *model, trainmem::PlanOptions().budget_bytes(40LL << 30),
 ///                                         trainmem::CudaBudgetKind::kAllocated);
 /// ```
-TRAINMEM_API RegionModel cs336_region_model(const Cs336TransformerLM& model, int64_t batch_size);
+RegionModel cs336_region_model(const Cs336TransformerLM& model, int64_t batch_size);
 
 /// What a recording covers.
 enum class Cs336Run {
@@ -253,7 +254,7 @@ enum class Cs336Run {
 /// are set here. `autocast`: the run inside `torch.autocast(dtype)` (the
 /// *_mixed recordings: bfloat16): LibTorch's CUDA autocast, its casts made
 /// on meta (docs/design.md, Note [Autocast on meta]).
-TRAINMEM_API CudaStepPrediction predict_cs336_run(const Cs336Options& model, Cs336Run run, int64_t batch_size = 4,
+CudaStepPrediction predict_cs336_run(const Cs336Options& model, Cs336Run run, int64_t batch_size = 4,
                                      CudaPredictOptions cuda = {},
                                      std::optional<at::ScalarType> autocast = std::nullopt);
 

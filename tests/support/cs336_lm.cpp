@@ -1,4 +1,4 @@
-#include "trainmem/models/cs336_lm.h"
+#include "cs336_lm.h"
 
 #include <cmath>
 #include <limits>
