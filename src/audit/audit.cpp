@@ -1496,10 +1496,12 @@ void Audit::add_optimizer(const torch::optim::Optimizer& optimizer, std::string 
     audited.insert(t.unsafeGetTensorImpl());
   }
   int64_t num = 0, foreign = 0;
+  std::unordered_set<const c10::TensorImpl*> mine;  // its parameters
   for (const auto& g : optimizer.param_groups()) {
     for (const auto& p : g.params()) {
       ++num;
       foreign += audited.count(p.unsafeGetTensorImpl()) == 0 ? 1 : 0;
+      mine.insert(p.unsafeGetTensorImpl());
     }
   }
   TORCH_CHECK(num > 0, "Audit::add_optimizer: the optimizer has no parameters");
@@ -1509,12 +1511,6 @@ void Audit::add_optimizer(const torch::optim::Optimizer& optimizer, std::string 
               "Audit::add_optimized_input");
   // Note [Optimizers that come and go]: the same object again stays one
   // optimizer; another at its address or over its parameters replaces it.
-  std::unordered_set<const c10::TensorImpl*> mine;
-  for (const auto& g : optimizer.param_groups()) {
-    for (const auto& p : g.params()) {
-      mine.insert(p.unsafeGetTensorImpl());
-    }
-  }
   std::unordered_set<const c10::TensorImpl*> state_now;
   detail::for_each_state_tensor(optimizer, [&](const std::string&, const at::Tensor& t) {
     if (t.defined()) {

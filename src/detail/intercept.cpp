@@ -33,14 +33,8 @@ void register_intercept_fallback() {
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
-    try {
-      // Never destroyed: the registration lives as long as the process.
-      auto* library = &keep_for_process(
-          std::make_unique<torch::Library>(torch::Library::IMPL, "_", kInterceptKey, __FILE__, __LINE__));
-      library->fallback(torch::CppFunction::makeFromBoxedFunction<&intercept_fallback>());
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    error = register_fallback_for_process(kInterceptKey,
+                                          torch::CppFunction::makeFromBoxedFunction<&intercept_fallback>());
   });
   TORCH_CHECK(error.empty(), "trainmem: cannot register the op interceptor on dispatch key ",
               c10::toString(kInterceptKey), " (is another library using it?): ", error);

@@ -217,20 +217,14 @@ class CpuKernelModel final : public detail::InterceptHandler {
     const size_t first = stack->size() - n;
     const at::Tensor m1 = (*stack)[first + (mm || name == "aten::bmm" ? 0 : 1)].toTensor();
     const at::Tensor m2 = (*stack)[first + (mm || name == "aten::bmm" ? 1 : 2)].toTensor();
-    const auto st = m1.scalar_type();
-    const bool reduced = (st == at::kBFloat16 || st == at::kHalf) && m1.is_meta() && detail::probing_enabled();
-    std::optional<torch::jit::Stack> args;
-    if (reduced) {
-      args.emplace(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
-    }
-    scope.call_next(op, ks, stack);
-    if (!m1.is_meta()) {
+    if (m1.scalar_type() == at::kBFloat16 || m1.scalar_type() == at::kHalf) {
+      probe_after(scope, op, ks, stack);  // Note [CPU reduced-precision matmul scratch]
       return;
     }
-    const int64_t bytes = reduced ? cpu_probed_scratch(op, *args)
-        : batched                 ? 0
-                                  : cpu_blas_operand_copy_bytes(stack->back().toTensor(), m1, m2);
-    detail::hold_meta_bytes(bytes);
+    scope.call_next(op, ks, stack);
+    if (m1.is_meta() && !batched) {  // operand copies: modelled for mm and addmm only
+      detail::hold_meta_bytes(cpu_blas_operand_copy_bytes(stack->back().toTensor(), m1, m2));
+    }
   }
 
  private:

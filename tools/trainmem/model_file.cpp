@@ -127,7 +127,6 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
     cuda = predict_cuda_step_peak(
         *model.module, [&] { return loss_under(model, tokens(), amp, at::kCUDA); }, &cuda_opt, *cuda_options);
   }
-  const std::string how = amp ? "bf16-autocast (fp32 weights, gradients and AdamW state)" : "fp32";
 
   if (json) {
     nlohmann::ordered_json j;

@@ -163,24 +163,17 @@ void proxy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   map_tensors(stack, op.schema().returns().size(), unwrap);
 }
 
-template <c10::BoxedKernel::BoxedKernelFunction_withDispatchKeys* kFallback>
-void register_fallback(c10::DispatchKey key, std::string& error) {
-  try {
-    // Never destroyed: the registration lives as long as the process.
-    auto& library = keep_for_process(
-        std::make_unique<torch::Library>(torch::Library::IMPL, "_", key, __FILE__, __LINE__));
-    library.fallback(torch::CppFunction::makeFromBoxedFunction<kFallback>());
-  } catch (const std::exception& e) {
-    error += std::string(c10::toString(key)) + ": " + e.what() + "; ";
-  }
-}
-
 void register_fallbacks() {
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
-    register_fallback<&mode_fallback>(kMode, error);
-    register_fallback<&proxy_fallback>(kProxy, error);
+    auto failed = [](c10::DispatchKey key, const std::string& why) {
+      return why.empty() ? why : std::string(c10::toString(key)) + ": " + why + "; ";
+    };
+    error = failed(kMode, register_fallback_for_process(
+                              kMode, torch::CppFunction::makeFromBoxedFunction<&mode_fallback>())) +
+        failed(kProxy, register_fallback_for_process(
+                           kProxy, torch::CppFunction::makeFromBoxedFunction<&proxy_fallback>()));
   });
   TORCH_CHECK(error.empty(), "trainmem: cannot register autocast on meta on dispatch keys ",
               c10::toString(kMode), " and ", c10::toString(kProxy), " (is another library using them?): ",
