@@ -11,6 +11,9 @@
 #     whose modeling code trainmem's GPT-2, LLaMA, Mistral and Qwen follow.
 #     TRAINMEM_TRANSFORMERS_VERSION picks another, "none" skips it; offline,
 #     it is skipped with a warning and those tests skip.
+#   - Hugging Face peft==0.21.2 beside it (the hf.lora_* ctests compare
+#     trainmem's LoRA, lora.h, with its LoRA layers); TRAINMEM_PEFT_VERSION
+#     picks another, "none" skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,5 +77,14 @@ if [ "$hf_want" != none ] && [ "$("$venv/bin/python" -c "$hf_have")" != "$hf_wan
   log "installing transformers==$hf_want into $venv (the hf.* tests compare the config-file models with it)"
   "$venv/bin/pip" install -q "transformers==$hf_want" >&2 ||
     log "could not install transformers==$hf_want: the hf.* comparisons will skip"
+fi
+peft_want=${TRAINMEM_PEFT_VERSION:-0.21.2}
+peft_have='import importlib.metadata as m
+try: print(m.version("peft"))
+except m.PackageNotFoundError: print("")'
+if [ "$hf_want" != none ] && [ "$peft_want" != none ] && [ "$("$venv/bin/python" -c "$peft_have")" != "$peft_want" ]; then
+  log "installing peft==$peft_want into $venv (the hf.lora_* tests compare trainmem's LoRA with it)"
+  "$venv/bin/pip" install -q "peft==$peft_want" >&2 ||
+    log "could not install peft==$peft_want: the LoRA comparisons will skip"
 fi
 "$venv/bin/python" -c "$spec"

@@ -25,12 +25,21 @@ transformers' parameters and saved bytes (the ctest
 hf.saved_bytes_match_transformers).
 
 With --precision bf16-autocast (after --check, or anywhere in the first
-form) the forward runs under torch.autocast("cpu", torch.bfloat16), and the
-command is given the same flag: its saved bytes come from the CPU autocast
-kernels run on meta.
+form) the forward runs under torch.autocast("cpu", torch.bfloat16); with
+--precision bf16 the model is cast to torch.bfloat16 first (as
+from_pretrained(torch_dtype=torch.bfloat16)). The command is given the same
+flag: its saved bytes come from the CPU kernels (and CPU autocast's casts)
+run on meta.
 
-usage: hf_saved_bytes.py CONFIG.json BATCH SEQ_LEN [--no-list] [--precision bf16-autocast]
-       hf_saved_bytes.py --check TRAINMEM_CLI [--precision bf16-autocast] CONFIG.json:BATCH:SEQ_LEN...
+With --lora RANK:ALPHA:TARGET,TARGET... the model is wrapped by peft's
+get_peft_model(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=[...],
+lora_dropout=0)) (peft PEFT_VERSION, pinned by scripts/bootstrap.sh), and the
+command is given --lora-rank, --lora-alpha and --lora-targets: its
+parameters, trainable parameters (those with requires_grad) and saved bytes
+must equal peft's. Exits 77 (skipped) without peft.
+
+usage: hf_saved_bytes.py CONFIG.json BATCH SEQ_LEN [--no-list] [--precision P] [--lora R:A:T,...]
+       hf_saved_bytes.py --check TRAINMEM_CLI [--precision P] [--lora R:A:T,...] CONFIG.json:BATCH:SEQ_LEN...
 """
 import contextlib
 import json
@@ -105,16 +114,37 @@ def saved_nodes(root, unpacked):
 
 
 def autocast(precision):
-    if precision == "fp32":
+    if precision in ("fp32", "bf16"):
         return contextlib.nullcontext()
     if precision == "bf16-autocast":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     raise SystemExit(f"unknown --precision {precision}")
 
 
-def measure(path, batch, seq_len, precision="fp32"):
+def parse_lora(spec):
+    rank, alpha, targets = spec.split(":", 2)
+    return int(rank), float(alpha), targets.split(",")
+
+
+def with_lora(model, spec):
+    try:
+        import peft
+    except ImportError as e:
+        print(f"skipped: {e}")
+        sys.exit(77)
+    rank, alpha, targets = parse_lora(spec)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+    return peft.get_peft_model(model, config), peft.__version__
+
+
+def measure(path, batch, seq_len, precision="fp32", lora=None):
     torch.manual_seed(0)
     model = hf_model(path)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    peft_version = None
+    if lora:
+        model, peft_version = with_lora(model, lora)
     vocab = model.config.vocab_size
     excluded = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
     tokens = torch.tensor([[(7 * b + 3 * t + 1) % vocab for t in range(seq_len)] for b in range(batch)])
@@ -148,27 +178,36 @@ def measure(path, batch, seq_len, precision="fp32"):
         "batch": batch,
         "seq_len": seq_len,
         "precision": precision,
+        "lora": lora,
+        "peft": peft_version,
         "num_params": num_params(model),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "saved_bytes": sum(s["bytes"] for s in saved if s["new"]),
         "saved": saved,
     }
 
 
-def check(cli, cases, precision):
+def check(cli, cases, precision, lora):
     bad = 0
     for case in cases:
         path, batch, seq_len = case.rsplit(":", 2)
-        out = subprocess.run([cli, "estimate", "--model", path, "--json", "--batch", batch, "--seq-len", seq_len,
-                              "--precision", precision], check=True, capture_output=True, text=True).stdout
-        ours = json.loads(out)
-        theirs = measure(path, int(batch), int(seq_len), precision)
-        got = (ours["num_params"], ours["activation_bytes"], ours["step_peak"]["activation_bytes"])
-        want = (theirs["num_params"], theirs["saved_bytes"], theirs["saved_bytes"])
+        command = [cli, "estimate", "--model", path, "--json", "--batch", batch, "--seq-len", seq_len,
+                   "--precision", precision]
+        if lora:
+            rank, alpha, targets = parse_lora(lora)
+            command += ["--lora-rank", str(rank), "--lora-alpha", str(alpha), "--lora-targets", ",".join(targets)]
+        ours = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+        theirs = measure(path, int(batch), int(seq_len), precision, lora)
+        got = (ours["num_params"], ours["trainable_params"], ours["activation_bytes"],
+               ours["step_peak"]["activation_bytes"])
+        want = (theirs["num_params"], theirs["trainable_params"], theirs["saved_bytes"], theirs["saved_bytes"])
         ok = got == want
         bad += not ok
-        print(f"{path} batch {batch} x {seq_len}, {precision}: parameters trainmem {got[0]:,} transformers {want[0]:,}; "
-              f"saved bytes trainmem {got[1]:,} (step peak's {got[2]:,}), transformers {theirs['transformers']} "
-              f"{theirs['architecture']} {want[1]:,}{'' if ok else '  MISMATCH'}")
+        under = f"transformers {theirs['transformers']} {theirs['architecture']}" + (
+            f" with peft {theirs['peft']} LoRA {lora}" if lora else "")
+        print(f"{path} batch {batch} x {seq_len}, {precision}: parameters trainmem {got[0]:,} ({got[1]:,} trainable), "
+              f"{under} {want[0]:,} ({want[1]:,}); saved bytes trainmem {got[2]:,} (step peak's {got[3]:,}), "
+              f"theirs {want[2]:,}{'' if ok else '  MISMATCH'}")
     if bad:
         sys.exit(1)
     print("saved bytes match transformers")
@@ -181,14 +220,19 @@ def main():
         i = argv.index("--precision")
         precision = argv[i + 1]
         del argv[i:i + 2]
+    lora = None
+    if "--lora" in argv:
+        i = argv.index("--lora")
+        lora = argv[i + 1]
+        del argv[i:i + 2]
     if len(argv) > 1 and argv[0] == "--check":
-        check(argv[1], argv[2:], precision)
+        check(argv[1], argv[2:], precision, lora)
         return
     args = [a for a in argv if not a.startswith("--")]
     if len(args) != 3:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    result = measure(args[0], int(args[1]), int(args[2]), precision)
+    result = measure(args[0], int(args[1]), int(args[2]), precision, lora)
     if "--no-list" in sys.argv:
         del result["saved"]
     print(json.dumps(result, indent=1))

@@ -31,6 +31,7 @@
 #include <torch/nn/options/normalization.h>
 
 #include "trainmem/checkpoint.h"
+#include "trainmem/models/lora.h"
 #include "trainmem/planner.h"
 
 #include "detail/bounded_json.h"
@@ -394,6 +395,13 @@ GPTOptions gpt_options(const HfConfig& c) {
 
 namespace {
 
+// A layer's forward with its LoRA adapter's update when apply_lora() gave it
+// one (lora.h), as PEFT's lora.Linear wraps the layer.
+template <typename Holder>
+at::Tensor adapted(const Holder& layer, const at::Tensor& x) {
+  return lora_forward(*layer, layer.ptr()->forward(x), x);
+}
+
 // DynamicLayer::update (cache_utils.py) on its first call: torch.cat of an
 // empty 1-D tensor and the new k or v along the sequence: a contiguous copy,
 // which attention then reads (so autograd saves the copy). transformers
@@ -538,7 +546,7 @@ void Gpt2AttentionImpl::reset() {
 at::Tensor Gpt2AttentionImpl::forward(const at::Tensor& x) {
   const int64_t d = options.hidden_size(), hd = d / options.num_heads();
   const int64_t B = x.size(0), T = x.size(1);
-  auto qkv = c_attn->forward(x).split(d, 2);
+  auto qkv = adapted(c_attn, x).split(d, 2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, -1, hd}).transpose(1, 2); };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);  // (B, H, T, hd), views
   if (options.use_cache()) {
@@ -546,7 +554,7 @@ at::Tensor Gpt2AttentionImpl::forward(const at::Tensor& x) {
     v = cache_copy(v);
   }
   auto attn = sdpa_attention(q, k, v, std::nullopt, std::pow(static_cast<double>(hd), -0.5));
-  return c_proj->forward(attn);
+  return adapted(c_proj, attn);
 }
 
 Gpt2MLPImpl::Gpt2MLPImpl(Gpt2Options options_) : options(options_) {
@@ -562,7 +570,7 @@ void Gpt2MLPImpl::reset() {
 }
 
 at::Tensor Gpt2MLPImpl::forward(const at::Tensor& x) {
-  auto h = c_fc->forward(x);
+  auto h = adapted(c_fc, x);
   const auto& a = options.activation();
   if (a == "gelu_new") {
     // NewGELUActivation, as written there: saves x (pow), tanh's result, 0.5 x and 1 + tanh.
@@ -574,7 +582,7 @@ at::Tensor Gpt2MLPImpl::forward(const at::Tensor& x) {
   } else {
     h = at::relu(h);
   }
-  return c_proj->forward(h);
+  return adapted(c_proj, h);
 }
 
 Gpt2BlockImpl::Gpt2BlockImpl(Gpt2Options options_) : options(options_) {
@@ -714,15 +722,15 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, c
   const auto& o = options;
   const int64_t B = x.size(0), T = x.size(1), hd = o.head_dim();
   auto n = input_layernorm->forward(x);                        // (B, T, d)
-  auto q = q_proj->forward(n).view({B, T, -1, hd});            // (B, T, H, hd)
-  auto k = k_proj->forward(n).view({B, T, -1, hd});            // (B, T, KV, hd)
+  auto q = adapted(q_proj, n).view({B, T, -1, hd});            // (B, T, H, hd)
+  auto k = adapted(k_proj, n).view({B, T, -1, hd});            // (B, T, KV, hd)
   if (o.qk_norm()) {
     q = q_norm->forward(q);
     k = k_norm->forward(k);
   }
   q = q.transpose(1, 2);                                       // (B, H, T, hd)
   k = k.transpose(1, 2);                                       // (B, KV, T, hd)
-  auto v = v_proj->forward(n).view({B, T, -1, hd}).transpose(1, 2);
+  auto v = adapted(v_proj, n).view({B, T, -1, hd}).transpose(1, 2);
   q = q * cos + rotate_half(q) * sin;                          // cos, sin (T, hd)
   k = k * cos + rotate_half(k) * sin;
   if (o.use_cache()) {
@@ -736,9 +744,9 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, c
     mask = sliding_window_mask(B, T, o.sliding_window(), x.options());
   }
   auto attn = sdpa_attention(q, k, v, mask, std::pow(static_cast<double>(hd), -0.5));  // (B, T, H hd)
-  auto h = x + o_proj->forward(attn);
+  auto h = x + adapted(o_proj, attn);
   auto m = post_attention_layernorm->forward(h);
-  return h + down_proj->forward(at::silu(gate_proj->forward(m)) * up_proj->forward(m));
+  return h + adapted(down_proj, at::silu(adapted(gate_proj, m)) * adapted(up_proj, m));
 }
 
 LlamaImpl::LlamaImpl(LlamaOptions options_) : options(options_) {
@@ -802,7 +810,7 @@ at::Tensor LlamaImpl::run(const at::Tensor& tokens, const BlockCheckpointing* pl
               options.max_positions(), " tokens per sequence, but got ", tokens.size(1));
   auto h = run_blocks(embed_tokens->forward(tokens), tokens, plan);   // (B, T, d)
   h = norm->forward(h);
-  return lm_head ? lm_head->forward(h) : at::linear(h, embed_tokens->weight);  // (B, T, V)
+  return lm_head ? adapted(lm_head, h) : at::linear(h, embed_tokens->weight);  // (B, T, V)
 }
 
 // ---------------------------------------------------------------------------
@@ -826,14 +834,17 @@ at::Tensor HfModel::forward(const at::Tensor& tokens, const BlockCheckpointing& 
 
 namespace {
 
-// transformers' ForCausalLMLoss (loss_utils.py): the labels padded with
+// transformers' ForCausalLMLoss (loss_utils.py): the logits upcast to fp32
+// (a copy for a model in bf16, none in fp32 or under autocast, whose linear
+// layer's bf16 logits cross_entropy casts the same way), the labels padded with
 // -100 to (B, T + 1), shifted left by a slice made contiguous (a copy, but
 // for a batch of 1, where the slice already is: nll_loss then saves the
 // padded (T + 1) storage), cross-entropy over the flattened logits (no copy
 // of them).
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
+  const at::Tensor upcast = logits.to(at::kFloat);
   auto shift_labels = at::constant_pad_nd(labels, {0, 1}, -100).slice(1, 1).contiguous();  // (B, T)
-  return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}), shift_labels.view({-1}), std::nullopt,
+  return at::cross_entropy_loss(upcast.view({-1, upcast.size(-1)}), shift_labels.view({-1}), std::nullopt,
                                 at::Reduction::Mean, -100);
 }
 
@@ -907,7 +918,7 @@ RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len
         "head",
         [llama](const at::Tensor& h) {
           auto x = llama->norm->forward(h);
-          return llama->lm_head ? llama->lm_head->forward(x) : at::linear(x, llama->embed_tokens->weight);
+          return llama->lm_head ? adapted(llama->lm_head, x) : at::linear(x, llama->embed_tokens->weight);
         },
         std::move(head));
   }

@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/AccumulateType.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
@@ -91,26 +92,8 @@ class CudaKernelModel final : public detail::InterceptHandler {
 
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
-    // Note [Meta storages that grow]: the tensors the op writes or returns.
-    const auto& args = op.schema().arguments();
-    std::vector<at::Tensor> written;
-    for (size_t i = 0; i < args.size(); ++i) {
-      const auto* alias = args[i].alias_info();
-      const auto& v = (*stack)[stack->size() - args.size() + i];
-      if (alias != nullptr && alias->isWrite() && v.isTensor()) {
-        written.push_back(v.toTensor());
-      }
-    }
-    run(scope, op, ks, stack);
-    for (const auto& t : written) {
-      trace_.trace_growth(t);
-    }
-    const size_t num_returns = std::min(op.schema().returns().size(), stack->size());
-    for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
-      if ((*stack)[i].isTensor()) {
-        trace_.trace_growth((*stack)[i].toTensor());
-      }
-    }
+    // Note [Meta storages that grow]
+    trace_.run_growing(op, stack, [&] { run(scope, op, ks, stack); });
   }
 
   const CudaWorkspaces& workspaces() const { return ws_; }
@@ -147,6 +130,9 @@ class CudaKernelModel final : public detail::InterceptHandler {
       }
     } else if (name == "aten::_scaled_dot_product_flash_attention_for_cpu") {
       flash_attention(scope, op, ks, stack, n);
+      return;
+    } else if (name == "aten::native_layer_norm") {
+      layer_norm(scope, op, ks, stack);
       return;
     }
     scope.call_next(op, ks, stack);
@@ -209,6 +195,21 @@ class CudaKernelModel final : public detail::InterceptHandler {
     stack->emplace_back(std::move(lse));
     for (auto& [id, bytes] : pads) {
       trace.remove(id, bytes, Kind::kKernelTemporary);
+    }
+  }
+
+  // layer_norm_cuda keeps mean and rstd in the input's accumulate type (fp32
+  // for bf16 and fp16) whatever the parameters' dtype; the meta kernel follows
+  // the CPU, which keeps a bf16 model's statistics in bf16.
+  void layer_norm(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                  torch::jit::Stack* stack) {
+    scope.call_next(op, ks, stack);
+    for (size_t i = stack->size() - 2; i < stack->size(); ++i) {
+      const at::Tensor stat = (*stack)[i].toTensor();
+      const auto acc = at::toAccumulateType(stat.scalar_type(), c10::DeviceType::CUDA);
+      if (stat.scalar_type() != acc) {
+        (*stack)[i] = at::empty(stat.sizes(), stat.options().dtype(acc));
+      }
     }
   }
 

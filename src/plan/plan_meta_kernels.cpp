@@ -98,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_cpu_backward_meta(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_meta(
     const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& /*weight*/, const std::optional<at::Tensor>& /*bias*/,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     double /*eps*/) {
   const int64_t axis = input.dim() - static_cast<int64_t>(normalized_shape.size());
   TORCH_CHECK(axis >= 0, "native_layer_norm (meta): normalized_shape has more dims than the input");
@@ -114,7 +114,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_meta(
     }
   }
   auto y = at::empty(x.sizes(), x.options());
-  auto stats = x.options().dtype(at::toOpMathType(x.scalar_type()));
+  // layer_norm_cpu's param_scalar_type: the statistics in the input's dtype,
+  // in its op-math type (fp32 for bf16 or fp16) only when the weight or bias
+  // has another dtype (a bf16 input with fp32 parameters). CUDA keeps them in
+  // fp32 always: its kernel model re-types them (cuda_predict.cpp).
+  at::ScalarType param_type = at::ScalarType::Undefined;
+  for (const auto* p : {&weight, &bias}) {
+    if (param_type == at::ScalarType::Undefined && p->has_value() && (*p)->defined()) {
+      param_type = (*p)->scalar_type();
+    }
+  }
+  const bool mixed = param_type != at::ScalarType::Undefined && param_type != x.scalar_type();
+  auto stats = x.options().dtype(mixed ? at::toOpMathType(x.scalar_type()) : x.scalar_type());
   auto mean = at::empty({M}, stats).view(stat_shape);
   auto rstd = at::empty({M}, stats).view(stat_shape);
   return {y, mean, rstd};

@@ -195,8 +195,16 @@ int64_t wrapped_scalar_bytes(const c10::OperatorHandle& op, const torch::jit::St
 // matmul scratch]).
 class CpuKernelModel final : public detail::InterceptHandler {
  public:
+  explicit CpuKernelModel(const detail::MetaObserver& counter) : counter_(counter) {}
+
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
+    counter_.run_growing(op, stack, [&] { model(scope, op, ks, stack); });  // Note [Meta storages that grow]
+  }
+
+ private:
+  void model(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+             torch::jit::Stack* stack) {
     const auto& schema = op.schema();
     const std::string& name = schema.name();
     const bool plain = schema.overload_name().empty();
@@ -227,7 +235,6 @@ class CpuKernelModel final : public detail::InterceptHandler {
     }
   }
 
- private:
   // Runs the op on meta, then holds its probed CPU scratch for a moment.
   static void probe_after(const detail::InterceptScope& scope, const c10::OperatorHandle& op,
                           c10::DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -239,6 +246,8 @@ class CpuKernelModel final : public detail::InterceptHandler {
       detail::hold_meta_bytes(cpu_probed_scratch(op, args));
     }
   }
+
+  const detail::MetaObserver& counter_;
 };
 
 // Counts each parameter's gradient once, when AccumulateGrad has written it.
@@ -454,14 +463,14 @@ StepPeak predict_step_peak(
   // matmuls' operand copies (Note [CPU matmul operand copies on meta]) and
   // the checkpoints' CPU RNG stashes and recompute fork copies (Note
   // [Checkpoint RNG copies on meta]).
-  CpuKernelModel kernels;
+  auto& meta = MetaAllocator::get();
+  CountingObserver counter;
+  detail::MetaObserverScope attached(counter);
+  CpuKernelModel kernels(counter);
   detail::register_intercept_fallback();
   detail::InterceptScope kernel_scope(kernels);
   detail::MetaRngCopies copies(/*stash=*/true, /*fork=*/true);
   detail::RngCopyObserverGuard copies_scope(&copies);
-  auto& meta = MetaAllocator::get();
-  CountingObserver counter;
-  detail::MetaObserverScope attached(counter);
   std::optional<GradWatch> watch;
   PhasePeaks phases(
       module, optimizer, [&] { return meta.live_bytes(); }, [&] { counter.open_window(); },

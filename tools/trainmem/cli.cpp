@@ -328,18 +328,4 @@ std::string read_file_bounded(const std::string& path, int64_t max_bytes) {
   return out;
 }
 
-at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype, const std::function<at::Tensor()>& fn) {
-  struct Region {
-    c10::DeviceType device;
-    ~Region() {
-      at::autocast::set_autocast_enabled(device, false);
-      at::autocast::clear_cache();
-    }
-  };
-  at::autocast::set_autocast_dtype(device, dtype);
-  at::autocast::set_autocast_enabled(device, true);
-  Region region{device};
-  return fn();
-}
-
 } // namespace trainmem::cli

@@ -138,10 +138,5 @@ void add_plan_command(CLI::App& app);
 /// `trainmem snapshot FILE`: replay a recorded CUDA memory snapshot (snapshot.cpp).
 void add_snapshot_command(CLI::App& app);
 
-/// Runs `fn` as a training loop's autocast region runs its forward: autocast
-/// on for `device` in `dtype`, then off again and its cast cache cleared,
-/// also when `fn` throws. On meta the casts are made as on the device (Note
-/// [Autocast on meta] in docs/design.md).
-at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype, const std::function<at::Tensor()>& fn);
 
 } // namespace trainmem::cli

@@ -506,10 +506,10 @@ void add_audit_command(CLI::App& app) {
   sub->callback([f] { run_audit(*f); });
 }
 
-// estimate --model predicts one AdamW step of the config's model (fp32 or
-// bf16-autocast, run_estimate_model checks) with no checkpointing or
-// accumulation: a flag given for another question is refused, naming it,
-// rather than answered as that one.
+// estimate --model predicts one AdamW step of the config's model with no
+// accumulation (estimate_model(): its precision, checkpointing and LoRA are
+// flags): a flag given for another question is refused, naming it, rather
+// than answered as that one.
 void refuse_flags_model_ignores(const CLI::App& sub, const AuditFlags& f) {
   const auto given = [&](const char* name) { return sub.get_option(name)->count() > 0; };
   for (const auto& [name, value] : {std::pair<const char*, int64_t>{"--layers", f.model.layers},
@@ -554,6 +554,13 @@ void add_estimate_command(CLI::App& app) {
       run_estimate_model(*m, f->model.batch, f->model.seq_len, f->json, cuda ? &*cuda : nullptr, f->device,
                          f->precision);
     } else {
+      for (const char* name : {"--checkpoint", "--lora-rank", "--lora-alpha", "--lora-targets", "--ranks", "--zero"}) {
+        if (sub->get_option(name)->count() > 0) {
+          throw UsageError(fmt::format("{} goes with --model (a config file's model); the bundled transformer's "
+                                       "estimate has no such option",
+                                       name));
+        }
+      }
       run_estimate(*f);
     }
   });

@@ -16,6 +16,7 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/cuda_predict.h"
+#include "trainmem/models/estimate.h"
 #include "trainmem/models/hf_model.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
@@ -32,13 +33,21 @@ void add_model_file_flags(CLI::App& sub, ModelFileFlags& f) {
   sub.add_option("--zero", f.zero, "ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also "
                                    "parameters (with --model)")
       ->capture_default_str();
+  sub.add_option("--checkpoint", f.checkpoint, "with --model: none, full, every_<k> or selective (matmul outputs "
+                                               "kept) checkpointing of the decoder blocks")
+      ->capture_default_str();
+  sub.add_option("--lora-rank", f.lora_rank, "with --model: LoRA adapters of this rank (PEFT's), every other "
+                                             "weight frozen; 0: none")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+      ->capture_default_str();
+  sub.add_option("--lora-alpha", f.lora_alpha, "with --lora-rank: PEFT's lora_alpha (the update scaled by alpha / r)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub.add_option("--lora-targets", f.lora_targets, "with --lora-rank: the layers to adapt, by name or dotted "
+                                                   "suffix, comma-separated (q_proj,v_proj; GPT-2: c_attn)");
 }
 
 namespace {
-
-const std::vector<Recipe> kRecipes = {Recipe::kFp32AdamW,       Recipe::kMixedAdamW, Recipe::kPureBf16AdamW,
-                                      Recipe::kFp32SGD,         Recipe::kFp32SGDMomentum,
-                                      Recipe::kFp32Adafactor};
 
 HfConfig load_config(const std::string& path, int64_t batch, int64_t seq_len) {
   if (batch < 1 || seq_len < 1) {
@@ -70,64 +79,71 @@ std::string describe(const HfConfig& config, const std::string& path) {
 
 } // namespace
 
-// The model's loss as the user's step runs it: under autocast for `device`
-// in bf16 when `autocast`.
-at::Tensor loss_under(const HfModel& model, const at::Tensor& tokens, bool autocast, c10::DeviceType device) {
-  if (!autocast) {
-    return model.loss(tokens);
+namespace {
+
+// --lora-targets "q_proj,v_proj" -> {"q_proj", "v_proj"}; empty names refused.
+std::vector<std::string> split_targets(const std::string& list) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    const std::string name = list.substr(start, comma - start);
+    if (name.empty()) {
+      throw UsageError(fmt::format("--lora-targets \"{}\": expected module names separated by commas, such as "
+                                   "q_proj,v_proj",
+                                   list));
+    }
+    out.push_back(name);
+    start = comma + 1;
   }
-  return run_under_autocast(device, at::kBFloat16, [&] { return model.loss(tokens); });
+  return out;
 }
 
-void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json,
-                        const CudaPredictOptions* cuda_options, const std::string& device,
-                        const std::string& precision) {
-  if (precision != "fp32" && precision != "bf16-autocast") {
-    throw UsageError(fmt::format("--precision {} with --model: estimate --model predicts fp32 and bf16-autocast "
-                                 "(a model held in bf16 and fp16 with a GradScaler are not built for config models "
-                                 "yet); drop --precision or use bf16-autocast",
-                                 precision));
-  }
-  const bool amp = precision == "bf16-autocast";
+ModelEstimateOptions estimate_options(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
+                                      const CudaPredictOptions* cuda, const std::string& precision) {
   if (f.ranks < 1) {
     throw UsageError("expected --ranks >= 1, but got " + std::to_string(f.ranks));
   }
   if (f.zero < 0 || f.zero > 3) {
     throw UsageError("expected --zero 0, 1, 2 or 3, but got " + std::to_string(f.zero));
   }
-  const HfConfig config = load_config(f.path, batch, seq_len);
-  HfModel model;
-  {
-    MetaInitGuard meta;  // nothing allocated, whatever the size
-    model = build_hf_model(config);
+  if (precision == "fp16-autocast") {
+    throw UsageError("--precision fp16-autocast with --model: its GradScaler reads found_inf on the host each step "
+                     "(.item()), which a step on meta cannot; drop --precision or use bf16-autocast, bf16 or fp32");
   }
-  const int64_t num_params = account(*model.module).num_params;
-  const int64_t formula_params = hf_num_params(config);
-  TORCH_CHECK(num_params == formula_params, "trainmem estimate: the model built from ", f.path, " has ",
-              num_params, " parameters, but the formula gives ", formula_params);
-  const int64_t largest = largest_layer_params(*model.module);
-  auto sharding = ShardingOptions().zero_stage(f.zero).world_size(f.ranks).largest_layer_params(f.zero == 3 ? largest : 0);
-  std::vector<ShardedStatic> recipes;
-  for (auto r : kRecipes) {
-    recipes.push_back(shard_static_bytes(predict_static_bytes(*model.module, r), sharding));
+  auto o = ModelEstimateOptions().batch(batch).seq_len(seq_len).precision(parse_precision(precision)).ranks(
+      f.ranks).zero(f.zero);
+  o.checkpoint(f.checkpoint);
+  if (f.lora_rank > 0) {
+    if (f.lora_targets.empty()) {
+      throw UsageError(fmt::format("--lora-rank {}: name the layers to adapt with --lora-targets, such as "
+                                   "q_proj,v_proj",
+                                   f.lora_rank));
+    }
+    o.lora(LoraOptions().rank(f.lora_rank).alpha(f.lora_alpha).targets(split_targets(f.lora_targets)));
+  } else if (!f.lora_targets.empty()) {
+    throw UsageError("--lora-targets " + f.lora_targets + ": give the adapters' rank with --lora-rank");
   }
-  // Activations and the step peak, fp32 AdamW, on meta (exact bytes of the CPU kernels).
-  const auto tokens = [&] {
-    return at::empty({batch, seq_len}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
-  };
-  // The CPU's figures under the CPU's autocast policy, the CUDA ones under CUDA's.
-  const auto saved = predict_saved_activations(*model.module, [&] { return loss_under(model, tokens(), amp, at::kCPU); });
-  torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
-  const auto peak =
-      predict_step_peak(*model.module, [&] { return loss_under(model, tokens(), amp, at::kCPU); }, &opt);
-  std::optional<CudaStepPrediction> cuda;
-  if (cuda_options != nullptr) {
-    // A fresh optimizer: predict_cuda_step_peak runs its own two steps.
-    torch::optim::AdamW cuda_opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
-    cuda = predict_cuda_step_peak(
-        *model.module, [&] { return loss_under(model, tokens(), amp, at::kCUDA); }, &cuda_opt, *cuda_options);
+  if (cuda != nullptr) {
+    o.cuda(*cuda);
   }
+  return o;
+}
 
+} // namespace
+
+void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json,
+                        const CudaPredictOptions* cuda_options, const std::string& device,
+                        const std::string& precision) {
+  const auto options = estimate_options(f, batch, seq_len, cuda_options, precision);
+  const HfConfig config = load_config(f.path, batch, seq_len);
+  ModelEstimate e;
+  try {
+    e = estimate_model(config, options);
+  } catch (const c10::Error& err) {
+    throw UsageError(err.what_without_backtrace());
+  }
+  const auto& peak = e.step_peak;
   if (json) {
     nlohmann::ordered_json j;
     j["schema"] = "trainmem/1";
@@ -147,9 +163,10 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                   {"follows", fmt::format("transformers {} {}", kHfTransformersVersion,
                                           hf_class_name(config.architecture))}};
     j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
-    j["sharding"] = {{"zero_stage", f.zero}, {"world_size", f.ranks}, {"largest_layer_params", largest}};
-    j["num_params"] = num_params;
-    for (const auto& s : recipes) {
+    j["sharding"] = {{"zero_stage", f.zero}, {"world_size", f.ranks}, {"largest_layer_params", e.largest_layer_params}};
+    j["num_params"] = e.num_params;
+    j["trainable_params"] = e.trainable_params;
+    for (const auto& s : e.recipes) {
       j["recipes"].push_back({{"recipe", to_string(s.formula.recipe)},
                               {"bytes_per_param", s.formula.bytes_per_param},
                               {"static_bytes", s.formula.total_bytes},
@@ -157,9 +174,16 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                               {"host_per_rank_bytes", s.host_per_rank_bytes}});
     }
     j["precision"] = precision;
-    j["activation_bytes"] = saved.saved_bytes;
-    j["activation_dtype"] = amp ? "bf16-autocast (the CPU's policy)" : "fp32";
-    j["step_peak"] = {{"recipe", to_string(Recipe::kFp32AdamW)},
+    j["checkpoint"] = options.checkpoint();
+    if (options.lora()) {
+      const auto& l = *options.lora();
+      j["lora"] = {{"rank", l.rank()}, {"alpha", l.alpha()}, {"targets", l.targets()}, {"layers", e.lora_layers.size()},
+                   {"follows", fmt::format("peft {}", kPeftVersion)}};
+    } else {
+      j["lora"] = nullptr;
+    }
+    j["activation_bytes"] = e.saved_bytes;
+    j["step_peak"] = {{"optimizer", "AdamW"},
                       {"peak_bytes", peak.peak_bytes},
                       {"phase", to_string(peak.phase)},
                       {"param_bytes", peak.param_bytes},
@@ -168,41 +192,48 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                       {"forward_peak_bytes", peak.forward_peak_bytes},
                       {"backward_peak_bytes", peak.backward_peak_bytes},
                       {"optimizer_peak_bytes", peak.optimizer_peak_bytes}};
-    if (cuda) {
+    if (e.cuda) {
       j["cuda"] = {{"device", device},
-                   {"max_memory_allocated_bytes", cuda->max_memory_allocated_bytes},
-                   {"max_memory_reserved_bytes", cuda->max_memory_reserved_bytes},
-                   {"workspace_bytes", cuda->terms.workspace_bytes},
-                   {"rounding_bytes", cuda->terms.rounding_bytes}};
+                   {"max_memory_allocated_bytes", e.cuda->max_memory_allocated_bytes},
+                   {"max_memory_reserved_bytes", e.cuda->max_memory_reserved_bytes},
+                   {"workspace_bytes", e.cuda->terms.workspace_bytes},
+                   {"rounding_bytes", e.cuda->terms.rounding_bytes}};
     }
+    j["assumptions"] = e.assumptions;
     std::cout << j.dump(2) << "\n";
     return;
   }
   std::string out =
       fmt::format("trainmem estimate: {} (built on meta, nothing is run)\n", describe(config, f.path));
-  out += fmt::format("parameters {:>24}\n", with_commas(num_params));
+  out += fmt::format("parameters {:>24}", with_commas(e.num_params));
+  out += e.trainable_params == e.num_params ? "\n"
+                                            : fmt::format("  ({} trainable)\n", with_commas(e.trainable_params));
   out += fmt::format("static bytes by recipe, ZeRO-{} over {} rank{} (per rank: device, host):\n", f.zero,
                      f.ranks, f.ranks == 1 ? "" : "s");
-  for (const auto& s : recipes) {
+  for (const auto& s : e.recipes) {
     out += fmt::format("  {:<26} {:>5.2f} B/param {:>20} B   per rank {:>20} B {:>10}, host {} B\n",
                        to_string(s.formula.recipe), s.formula.bytes_per_param, with_commas(s.formula.total_bytes),
                        with_commas(s.device_per_rank_bytes), human_bytes(s.device_per_rank_bytes),
                        with_commas(s.host_per_rank_bytes));
   }
-  out += fmt::format("activations of one micro-batch (batch {} x {} tokens, {}, no checkpointing)\n", batch,
-                     seq_len, amp ? "bf16-autocast on the CPU's autocast policy" : "fp32");
+  out += fmt::format("activations of one micro-batch (batch {} x {} tokens, {}, checkpointing {}{})\n", batch, seq_len,
+                     precision, options.checkpoint(), options.lora() ? ", LoRA" : "");
   out += fmt::format("  {:<26} {:>20} B  {:>10}  (exact on meta)\n", "saved for backward",
-                     with_commas(saved.saved_bytes), human_bytes(saved.saved_bytes));
+                     with_commas(e.saved_bytes), human_bytes(e.saved_bytes));
   out += fmt::format("step peak, {} AdamW, one rank {:>20} B  {:>10}  in the {} (forward {} B, backward {} B, "
                      "optimizer step {} B)\n",
-                     amp ? "bf16-autocast (CPU)" : "fp32", with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
+                     precision, with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
                      with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
                      with_commas(peak.optimizer_peak_bytes));
-  if (cuda) {
+  if (e.cuda) {
     out += fmt::format("on {} (the same step replayed through the CUDA caching-allocator model, {} AdamW, one "
                        "rank):\n",
-                       device, amp ? "bf16-autocast on CUDA's policy," : "fp32");
-    out += to_string(*cuda);
+                       device, precision);
+    out += to_string(*e.cuda);
+  }
+  out += "assumed:\n";
+  for (const auto& a : e.assumptions) {
+    out += "  " + a + "\n";
   }
   std::cout << out;
 }

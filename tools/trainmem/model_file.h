@@ -16,17 +16,20 @@ struct ModelFileFlags {
   std::string path;   ///< --model: the config.json
   int64_t ranks = 1;  ///< --ranks: data-parallel ranks
   int64_t zero = 0;   ///< --zero: ZeRO stage 0-3
+  std::string checkpoint = "none";  ///< --checkpoint: BlockCheckpointing::named()
+  int64_t lora_rank = 0;            ///< --lora-rank: 0 for no LoRA
+  double lora_alpha = 8.0;          ///< --lora-alpha (PEFT's default)
+  std::string lora_targets;         ///< --lora-targets: comma-separated layer names
 };
 
-/// Adds --model, --ranks and --zero to `sub`.
+/// Adds --model, --ranks, --zero, --checkpoint and the --lora-* flags to `sub`.
 void add_model_file_flags(CLI::App& sub, ModelFileFlags& flags);
 
-/// `trainmem estimate --model FILE`: parameters, static bytes per precision
-/// recipe and per rank (ZeRO), activation bytes of a (batch, seq_len)
-/// micro-batch (exact on meta, fp32) and the fp32 AdamW step peak; with
-/// `cuda`, also the step's predicted CUDA max_memory_allocated / reserved on
-/// `device` (cuda_predict.h). Throws UsageError (exit 2) naming the key and
-/// value of a bad config or flag.
+/// `trainmem estimate --model FILE`: what estimate_model() (models/estimate.h)
+/// returns for the flags (precision, checkpointing, LoRA, ranks and ZeRO;
+/// with `cuda`, the step's predicted CUDA max_memory_allocated / reserved on
+/// `device`), with every assumption printed. Throws UsageError (exit 2)
+/// naming the key and value of a bad config or flag.
 void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_len, bool json,
                         const CudaPredictOptions* cuda = nullptr, const std::string& device = "cpu",
                         const std::string& precision = "fp32");

@@ -121,12 +121,15 @@ void TraceObserver::remove(uint64_t id, int64_t bytes, TraceKind kind) {
 // Note [Meta storages that grow]
 // A meta storage grows without the allocator (resize_bytes_meta only sets
 // its size): an op that makes its output with empty({0}) and resizes it
-// (arange, the out= ops) would leave the trace with 0 bytes, where CUDA's
-// resize_bytes_cuda allocates the new size (and frees the old block). A
-// storage the trace made that is now larger than its block gets a block of
-// its size; the old one is freed with it (both events in the trace, and in
-// the allocator's live bytes).
-void TraceObserver::trace_growth(const at::Tensor& t) {
+// (arange, the out= ops) would leave a count with 0 bytes, where CUDA's
+// resize_bytes_cuda and the CPU's resize_bytes_cpu allocate the new size
+// (and free the old block). A storage the observer saw made (the CUDA
+// trace's, or predict_step_peak's counter's) that is now larger than its
+// block gets a block of its size; the old one is freed with it (both events
+// in the trace, and in the allocator's live bytes). Without it a GPT-2's
+// position ids (arange, saved by its position embedding) were missing from
+// the CPU step peak: 8 T bytes under the CPU's.
+void MetaObserver::grow(const at::Tensor& t) const {
   if (!t.defined() || !t.has_storage() || !t.is_meta()) {
     return;
   }
@@ -136,6 +139,29 @@ void TraceObserver::trace_growth(const at::Tensor& t) {
     return;
   }
   storage->set_data_ptr_noswap(MetaAllocator::get().allocate(storage->nbytes()));
+}
+
+void MetaObserver::run_growing(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                               const std::function<void()>& run) const {
+  const auto& args = op.schema().arguments();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size() && args.size() <= stack->size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    const auto& v = (*stack)[stack->size() - args.size() + i];
+    if (alias != nullptr && alias->isWrite() && v.isTensor()) {
+      written.push_back(v.toTensor());
+    }
+  }
+  run();
+  for (const auto& t : written) {
+    grow(t);
+  }
+  const size_t num_returns = std::min(op.schema().returns().size(), stack->size());
+  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    if ((*stack)[i].isTensor()) {
+      grow((*stack)[i].toTensor());
+    }
+  }
 }
 
 uint64_t TraceObserver::id_of(const at::Tensor& t) const {

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <mutex>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 
 namespace trainmem::detail {
@@ -53,6 +55,12 @@ class MetaObserver {
 
   // Whether `block` was made while this observer was attached.
   bool owns(const MetaBlock& block) const { return block.generation >= generation_; }
+  // Note [Meta storages that grow]: a storage this observer saw made, now
+  // larger than its block, gets a block of its size (the old one freed).
+  void grow(const at::Tensor& t) const;
+  // Runs the op (`run`), then grow()s each tensor it wrote (an argument
+  // with a write alias) or returned.
+  void run_growing(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::function<void()>& run) const;
 
  private:
   friend class MetaObserverScope;
@@ -165,9 +173,6 @@ class TraceObserver final : public MetaObserver {
   // A synthetic allocation (workspace, kernel temporary): its id.
   uint64_t add(int64_t bytes, TraceKind kind);
   void remove(uint64_t id, int64_t bytes, TraceKind kind);
-  // Note [Meta storages that grow]: a storage of ours now larger than its
-  // block gets a block of its size.
-  void trace_growth(const at::Tensor& t);
   // The id of `t`'s storage when this trace made it, else 0.
   uint64_t id_of(const at::Tensor& t) const;
 

@@ -34,24 +34,6 @@ using detail::run_audited_step;
 
 } // namespace
 
-const char* precision_name(Precision precision) {
-  switch (precision) {
-    case Precision::kFp32: return "fp32";
-    case Precision::kBf16Autocast: return "bf16-autocast";
-    case Precision::kBf16: return "bf16";
-    case Precision::kFp16Autocast: return "fp16-autocast";
-  }
-  return "fp32";
-}
-
-Precision parse_precision(const std::string& name) {
-  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16Autocast}) {
-    if (name == precision_name(p)) {
-      return p;
-    }
-  }
-  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16 or fp16-autocast, but got \"", name, "\"");
-}
 
 void check_trainer_options(const TrainerOptions& o) {
   const auto& m = o.model();

@@ -23,22 +23,11 @@
 
 #include "trainmem/report.h"
 #include "trainmem/timeline.h"
+#include "trainmem/models/estimate.h"
 #include "trainmem/models/transformer.h"
 
 namespace trainmem {
 
-/// Numeric precision of a training run.
-enum class Precision {
-  kFp32,         ///< fp32 parameters, gradients and activations
-  kBf16Autocast, ///< fp32 parameters; matmuls and attention in bf16 (autocast)
-  kBf16,         ///< everything in bf16, optimizer state too (LibTorch's optimizers keep state in the parameter dtype)
-  kFp16Autocast, ///< fp32 parameters; matmuls and attention in fp16 (autocast), loss scaled by a GradScaler
-};
-
-/// "fp32", "bf16-autocast", "bf16", "fp16-autocast".
-const char* precision_name(Precision precision);
-/// Parses a precision_name(). Throws c10::Error naming `name` otherwise.
-Precision parse_precision(const std::string& name);
 
 /// What `train()` runs. Defaults reproduce the seed's capstone.
 struct TrainerOptions {

@@ -1,0 +1,125 @@
+#pragma once
+/// \file estimate.h
+/// One call for "will it fit": estimate_model() builds a config-file model
+/// (hf_model.h) on meta, with the precision, checkpointing, LoRA and data
+/// parallelism asked for, and predicts one AdamW training step of it: the
+/// static bytes of every recipe (sharded as asked), the bytes autograd saves,
+/// the step's peak on the CPU's kernels and, with CUDA options, the step's
+/// max_memory_allocated and max_memory_reserved through the caching-allocator
+/// model. Nothing is allocated and nothing is run; `trainmem estimate
+/// --model` prints what it returns.
+///
+/// Example:
+/// ```
+/// auto config = trainmem::load_hf_config("tests/data/llama2_7b.json");
+/// auto e = trainmem::estimate_model(config, trainmem::ModelEstimateOptions()
+///     .batch(1).seq_len(2048).precision(trainmem::Precision::kBf16Autocast)
+///     .checkpoint("full").lora(trainmem::LoraOptions().rank(16).targets({"q_proj", "v_proj"}))
+///     .cuda(trainmem::CudaPredictOptions().cublas_workspace_bytes(trainmem::kCublasWorkspaceHopperBytes)));
+/// e.cuda->max_memory_reserved_bytes;
+/// std::cout << e.assumptions;   // what every figure assumes
+/// ```
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+
+#include "trainmem/accountant.h"
+#include "trainmem/cuda_predict.h"
+#include "trainmem/export.h"
+#include "trainmem/models/hf_model.h"
+#include "trainmem/models/lora.h"
+#include "trainmem/planner.h"
+
+namespace trainmem {
+
+/// Numeric precision of a training run.
+enum class Precision {
+  kFp32,         ///< fp32 parameters, gradients and activations
+  kBf16Autocast, ///< fp32 parameters; matmuls and attention in bf16 (autocast)
+  kBf16,         ///< everything in bf16, optimizer state too (LibTorch's optimizers keep state in the parameter dtype)
+  kFp16Autocast, ///< fp32 parameters; matmuls and attention in fp16 (autocast), loss scaled by a GradScaler
+};
+
+/// "fp32", "bf16-autocast", "bf16", "fp16-autocast".
+TRAINMEM_API const char* precision_name(Precision precision);
+/// Parses a precision_name(). Throws c10::Error naming `name` otherwise.
+TRAINMEM_API Precision parse_precision(const std::string& name);
+
+/// Runs `fn` as a user's autocast region does: autocast enabled for
+/// `device` in `dtype` (at::autocast::set_autocast_enabled and
+/// set_autocast_dtype), then the previous state restored and the cast cache
+/// cleared, also when `fn` throws. On meta tensors the casts are those
+/// LibTorch's own autocast kernels make for `device` (Note [Autocast on meta]
+/// in docs/design.md).
+TRAINMEM_API at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype,
+                                           const std::function<at::Tensor()>& fn);
+
+/// What estimate_model() predicts.
+struct ModelEstimateOptions {
+  TORCH_ARG(int64_t, batch) = 1;       ///< sequences in the micro-batch
+  TORCH_ARG(int64_t, seq_len) = 2048;  ///< tokens per sequence (at most the config's positions)
+  /// fp32, bf16 autocast or a model held in bf16 (fp16 autocast is refused:
+  /// its GradScaler reads found_inf on the host, which a meta step cannot).
+  TORCH_ARG(Precision, precision) = Precision::kFp32;
+  /// Activation checkpointing of the decoder blocks, as
+  /// BlockCheckpointing::named() takes it: "none", "full", "every_<k>" or
+  /// "selective" (matmul outputs saved).
+  TORCH_ARG(std::string, checkpoint) = "none";
+  /// LoRA adapters (lora.h) on the named layers, every other weight frozen.
+  TORCH_ARG(std::optional<LoraOptions>, lora) = std::nullopt;
+  TORCH_ARG(int64_t, ranks) = 1;  ///< data-parallel ranks the static bytes are sharded over
+  TORCH_ARG(int64_t, zero) = 0;   ///< ZeRO stage 0-3 of that sharding
+  /// Also predict the step on CUDA with these options (allocator settings,
+  /// cuBLAS workspace, SDPA backend).
+  TORCH_ARG(std::optional<CudaPredictOptions>, cuda) = std::nullopt;
+};
+
+/// What estimate_model() returns. Plain data; bytes unless named otherwise.
+struct ModelEstimate {
+  HfConfig config;
+  ModelEstimateOptions options;
+  int64_t num_params = 0;        ///< every parameter element (a tied head once)
+  int64_t trainable_params = 0;  ///< those that get a gradient (the adapters with LoRA)
+  int64_t largest_layer_params = 0;  ///< largest_layer_params() of the model (ZeRO-3's gather)
+  std::vector<std::string> lora_layers;  ///< the layers LoRA adapted, in module order
+  /// The static bytes of each closed-form recipe (accountant.h), sharded as
+  /// asked: fp32 AdamW, mixed-precision AdamW (bf16 weights and gradients,
+  /// fp32 master weights and moments: 2 + 2 + 12 B per trainable
+  /// parameter), pure bf16 AdamW, fp32 SGD with and without momentum, fp32
+  /// Adafactor.
+  std::vector<ShardedStatic> recipes;
+  /// Bytes autograd saves for backward in one forward of the micro-batch,
+  /// each storage once, parameters excluded (predict_saved_activations()).
+  int64_t saved_bytes = 0;
+  /// One AdamW step on the CPU's kernels, one rank, unsharded
+  /// (predict_step_peak()).
+  StepPeak step_peak;
+  /// The same step on CUDA, when options.cuda was given.
+  std::optional<CudaStepPrediction> cuda;
+  /// One line per assumption every figure above makes: model and micro-batch,
+  /// precision (and which autocast policy), checkpointing, LoRA, optimizer,
+  /// ranks and ZeRO stage, the CUDA settings.
+  std::vector<std::string> assumptions;
+};
+
+/// Predicts one AdamW training step of the model `config` describes, built
+/// on meta, as `options` asks (see ModelEstimateOptions). Under bf16
+/// autocast the CPU figures follow the CPU's autocast policy and the CUDA
+/// ones CUDA's; a bf16 model computes its loss in fp32 (transformers'
+/// ForCausalLMLoss upcasts the logits) and keeps its AdamW state in bf16
+/// (LoRA adapters in fp32, as PEFT makes them).
+/// Throws c10::Error naming the value for a batch or length below 1, a length
+/// past the config's positions, an unknown checkpointing name, fp16
+/// autocast, ranks below 1, a ZeRO stage outside 0-3, or bad LoRA options
+/// (apply_lora()).
+TRAINMEM_API ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions& options);
+
+} // namespace trainmem

@@ -1,0 +1,185 @@
+#include "trainmem/models/estimate.h"
+
+#include <utility>
+
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <torch/optim/adamw.h>
+
+#include "trainmem/block_checkpointing.h"
+#include "trainmem/format.h"
+#include "trainmem/meta.h"
+
+namespace trainmem {
+
+const char* precision_name(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kBf16Autocast: return "bf16-autocast";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16Autocast: return "fp16-autocast";
+  }
+  return "?";
+}
+
+Precision parse_precision(const std::string& name) {
+  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16Autocast}) {
+    if (name == precision_name(p)) {
+      return p;
+    }
+  }
+  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16 or fp16-autocast, but got \"", name, "\"");
+}
+
+at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype, const std::function<at::Tensor()>& fn) {
+  struct Region {
+    c10::DeviceType device;
+    bool was_enabled;
+    at::ScalarType was_dtype;
+    ~Region() {
+      at::autocast::set_autocast_enabled(device, was_enabled);
+      at::autocast::set_autocast_dtype(device, was_dtype);
+      if (!at::autocast::is_autocast_enabled(at::kCPU) && !at::autocast::is_autocast_enabled(at::kCUDA)) {
+        at::autocast::clear_cache();  // as leaving torch.autocast's outermost region
+      }
+    }
+  };
+  Region region{device, at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+  at::autocast::set_autocast_dtype(device, dtype);
+  at::autocast::set_autocast_enabled(device, true);
+  return fn();
+}
+
+namespace {
+
+const std::vector<Recipe> kRecipes = {Recipe::kFp32AdamW,       Recipe::kMixedAdamW, Recipe::kPureBf16AdamW,
+                                      Recipe::kFp32SGD,         Recipe::kFp32SGDMomentum,
+                                      Recipe::kFp32Adafactor};
+
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) {
+    out += (out.empty() ? "" : ",") + n;
+  }
+  return out;
+}
+
+std::string precision_assumption(Precision p, bool cuda) {
+  switch (p) {
+    case Precision::kFp32:
+      return "precision fp32: parameters, gradients, AdamW state and activations in fp32";
+    case Precision::kBf16Autocast:
+      return fmt::format("precision bf16-autocast: fp32 parameters, gradients and AdamW state; the forward under "
+                         "LibTorch's autocast in bf16, the CPU's policy for the CPU figures{}",
+                         cuda ? ", CUDA's for the CUDA ones" : "");
+    case Precision::kBf16:
+      return "precision bf16: the model held in bf16, its gradients and AdamW state too; the loss in fp32 "
+             "(the logits upcast, as transformers' ForCausalLMLoss)";
+    case Precision::kFp16Autocast:
+      break;
+  }
+  return "";
+}
+
+} // namespace
+
+ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions& options) {
+  const auto& o = options;
+  TORCH_CHECK(o.batch() >= 1 && o.seq_len() >= 1, "estimate_model: expected batch and seq_len > 0, but got batch ",
+              o.batch(), " seq_len ", o.seq_len());
+  TORCH_CHECK(o.seq_len() <= config.max_positions, "estimate_model: expected seq_len at most ", config.max_positions,
+              " (the positions of ", config.source, "), but got ", o.seq_len());
+  TORCH_CHECK(o.precision() != Precision::kFp16Autocast,
+              "estimate_model: precision fp16-autocast is not predicted: its GradScaler reads found_inf on the "
+              "host each step (.item()), which a step on meta cannot; predict bf16-autocast, bf16 or fp32");
+  TORCH_CHECK(o.ranks() >= 1, "estimate_model: expected ranks >= 1, but got ", o.ranks());
+  TORCH_CHECK(o.zero() >= 0 && o.zero() <= 3, "estimate_model: expected ZeRO stage 0, 1, 2 or 3, but got ", o.zero());
+  const auto plan = BlockCheckpointing::named(config.num_layers, o.checkpoint());  // throws naming a bad name
+
+  ModelEstimate e;
+  e.config = config;
+  e.options = o;
+  HfModel model;
+  {
+    MetaInitGuard meta;  // nothing allocated, whatever the size
+    model = build_hf_model(config);
+  }
+  const bool pure = o.precision() == Precision::kBf16;
+  if (pure) {
+    model.module->to(at::kBFloat16);  // as from_pretrained(torch_dtype=torch.bfloat16), before PEFT
+  }
+  if (o.lora()) {
+    e.lora_layers = apply_lora(*model.module, *o.lora()).adapted;
+  }
+  e.num_params = account(*model.module).num_params;
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : model.module->parameters()) {
+    if (p.requires_grad()) {
+      trainable.push_back(p);
+      e.trainable_params += p.numel();
+    }
+  }
+  e.largest_layer_params = largest_layer_params(*model.module);
+  const auto sharding = ShardingOptions().zero_stage(o.zero()).world_size(o.ranks()).largest_layer_params(
+      o.zero() == 3 ? e.largest_layer_params : 0);
+  for (auto r : kRecipes) {
+    e.recipes.push_back(shard_static_bytes(predict_static_bytes(*model.module, r), sharding));
+  }
+
+  const bool amp = o.precision() == Precision::kBf16Autocast;
+  const auto loss_on = [&](c10::DeviceType device) {
+    return [&, device] {
+      const auto tokens = at::empty({o.batch(), o.seq_len()}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
+      const auto loss = [&] { return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan); };
+      return amp ? run_under_autocast(device, at::kBFloat16, loss) : loss();
+    };
+  };
+  e.saved_bytes = predict_saved_activations(*model.module, loss_on(at::kCPU)).saved_bytes;
+  {
+    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
+    e.step_peak = predict_step_peak(*model.module, loss_on(at::kCPU), &opt);
+  }
+  if (o.cuda()) {
+    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));  // fresh: it runs its own two steps
+    e.cuda = predict_cuda_step_peak(*model.module, loss_on(at::kCUDA), &opt, *o.cuda());
+  }
+
+  auto& a = e.assumptions;
+  a.push_back(fmt::format("model {} from {}: {} parameters, {} trainable; one micro-batch of {} x {} tokens",
+                          to_string(config.architecture), config.source, with_commas(e.num_params),
+                          with_commas(e.trainable_params), o.batch(), o.seq_len()));
+  a.push_back(precision_assumption(o.precision(), o.cuda().has_value()));
+  a.push_back(o.checkpoint() == "none"
+                  ? std::string("checkpointing none: every block's activations kept for backward")
+                  : fmt::format("checkpointing {}: {} (BlockCheckpointing::named)", o.checkpoint(),
+                                o.checkpoint() == "full"        ? "every decoder block recomputed in backward"
+                                : o.checkpoint() == "selective" ? "every block, its matmul outputs kept"
+                                                                : "one block in k recomputed in backward"));
+  if (o.lora()) {
+    const auto& l = *o.lora();
+    a.push_back(fmt::format("LoRA r {} alpha {}{} on {} ({} layers, PEFT {}): every other weight frozen, without "
+                            "gradient or optimizer state",
+                            l.rank(), l.alpha(), l.rslora() ? " (rsLoRA)" : "", join(l.targets()),
+                            e.lora_layers.size(), kPeftVersion));
+  } else {
+    a.push_back("LoRA none: every parameter trained");
+  }
+  a.push_back(fmt::format("optimizer AdamW (two moments in the trainable parameters' dtype); the step peak is one "
+                          "rank's, unsharded{}",
+                          o.ranks() > 1 || o.zero() > 0
+                              ? fmt::format(" (ZeRO-{} over {} ranks is in the static bytes by recipe only)",
+                                            o.zero(), o.ranks())
+                              : ""));
+  if (o.cuda()) {
+    const auto& c = *o.cuda();
+    a.push_back(fmt::format("CUDA: the caching allocator with {} segments, cuBLAS workspace {} B per handle and "
+                            "stream; the second of two steps (AdamW's state made in the first)",
+                            c.allocator().expandable_segments() ? "expandable" : "fixed",
+                            with_commas(c.cublas_workspace_bytes())));
+  }
+  return e;
+}
+
+} // namespace trainmem

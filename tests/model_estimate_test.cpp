@@ -1,0 +1,123 @@
+// estimate_model() (models/estimate.h) and LoRA (models/lora.h), held to an
+// independent count: the same model with the same precision, checkpointing
+// and LoRA built on CPU and stepped for real, its live bytes counted by the
+// CpuMemoryTracker. (tests/hf_saved_bytes.py holds the saved bytes and
+// parameters to transformers and peft.)
+#include "trainmem/models/estimate.h"
+
+#include <cstdio>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include "trainmem/allocator.h"
+#include "trainmem/block_checkpointing.h"
+#include "trainmem/models/lora.h"
+#include "trainmem/planner.h"
+
+namespace {
+
+std::string data(const std::string& name) {
+  return std::string(TRAINMEM_TEST_DATA_DIR) + "/" + name;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+// The step a user writes on CPU for `o`, run for real: the model built and
+// initialized on CPU, moved to bf16 for kBf16, adapted by LoRA, its loss
+// under CPU autocast for kBf16Autocast and checkpointed as `o` names. The
+// second of two AdamW steps is measured (the first makes the state).
+trainmem::StepPeak measured_on_cpu(const trainmem::HfConfig& config, const trainmem::ModelEstimateOptions& o) {
+  torch::manual_seed(0);
+  auto model = trainmem::build_hf_model(config);
+  if (o.precision() == trainmem::Precision::kBf16) {
+    model.module->to(at::kBFloat16);
+  }
+  if (o.lora()) {
+    trainmem::apply_lora(*model.module, *o.lora());
+  }
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : model.module->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
+  const auto plan = trainmem::BlockCheckpointing::named(config.num_layers, o.checkpoint());
+  auto step = [&] {
+    // Made in the step, as estimate_model's tokens are: the embedding saves them.
+    const auto tokens = torch::randint(config.vocab_size, {o.batch(), o.seq_len()});
+    auto loss = [&] { return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan); };
+    return o.precision() == trainmem::Precision::kBf16Autocast
+               ? trainmem::run_under_autocast(at::kCPU, at::kBFloat16, loss)
+               : loss();
+  };
+  trainmem::measure_step_peak(*model.module, step, &opt);
+  return trainmem::measure_step_peak(*model.module, step, &opt);
+}
+
+struct Case {
+  const char* config;
+  trainmem::ModelEstimateOptions options;
+  const char* what;
+};
+
+// Every option of estimate_model, alone and together, on three
+// architectures: saved bytes, parameters, optimizer state and the step
+// peak equal the CPU's to the byte. (GPT-2's position ids, an arange its
+// embedding saves, were 8 T bytes under the CPU's until predict_step_peak
+// counted storages that grow: Note [Meta storages that grow].)
+TEST(ModelEstimateTest, EveryOptionEqualsTheCpuStep) {
+  trainmem::CpuMemoryTracker::install();
+  using trainmem::Precision;
+  const auto base = trainmem::ModelEstimateOptions().batch(2).seq_len(24);
+  const auto lora = trainmem::LoraOptions().rank(4).alpha(16).targets({"q_proj", "v_proj"});
+  const Case cases[] = {
+      {"tiny_llama.json", base, "fp32"},
+      {"tiny_llama.json", trainmem::ModelEstimateOptions(base).precision(Precision::kBf16), "bf16"},
+      {"tiny_llama.json", trainmem::ModelEstimateOptions(base).precision(Precision::kBf16Autocast), "bf16-autocast"},
+      {"tiny_llama.json", trainmem::ModelEstimateOptions(base).checkpoint("full"), "full checkpointing"},
+      {"tiny_llama.json", trainmem::ModelEstimateOptions(base).checkpoint("every_2"), "every_2"},
+      {"tiny_llama.json", trainmem::ModelEstimateOptions(base).checkpoint("selective"), "selective"},
+      {"tiny_llama.json", trainmem::ModelEstimateOptions(base).lora(lora), "LoRA"},
+      {"tiny_llama.json",
+       trainmem::ModelEstimateOptions(base).lora(lora).checkpoint("full").precision(Precision::kBf16Autocast),
+       "LoRA, full, bf16-autocast"},
+      {"tiny_qwen3.json", trainmem::ModelEstimateOptions(base).lora(lora).precision(Precision::kBf16), "LoRA, bf16"},
+      {"tiny_gpt2.json",
+       trainmem::ModelEstimateOptions(base).lora(trainmem::LoraOptions().rank(8).targets({"c_attn", "c_proj"}))
+           .checkpoint("full"),
+       "LoRA on Conv1D, full"},
+      {"tiny_gpt2.json", base, "fp32"},
+      {"tiny_gpt2.json", trainmem::ModelEstimateOptions(base).precision(Precision::kBf16), "bf16"},
+      {"tiny_gpt2.json", trainmem::ModelEstimateOptions(base).seq_len(48).batch(1).precision(Precision::kBf16),
+       "bf16, 1 x 48"},
+      {"tiny_gpt2.json", trainmem::ModelEstimateOptions(base).precision(Precision::kBf16Autocast), "bf16-autocast"},
+      {"tiny_gpt2.json", trainmem::ModelEstimateOptions(base).checkpoint("full"), "full checkpointing"},
+      {"tiny_gpt2_tanh.json", trainmem::ModelEstimateOptions(base).precision(Precision::kBf16), "bf16"},
+  };
+  for (const auto& c : cases) {
+    const auto config = trainmem::load_hf_config(data(c.config));
+    const auto e = trainmem::estimate_model(config, c.options);
+    const auto cpu = measured_on_cpu(config, c.options);
+    std::printf("%s, %s: saved %lld B (CPU %lld), step peak %lld B (CPU %lld) in the %s, state %lld B\n", c.config,
+                c.what, static_cast<long long>(e.saved_bytes), static_cast<long long>(cpu.activation_bytes),
+                static_cast<long long>(e.step_peak.peak_bytes), static_cast<long long>(cpu.peak_bytes),
+                trainmem::to_string(e.step_peak.phase).c_str(),
+                static_cast<long long>(e.step_peak.optimizer_state_bytes));
+    EXPECT_EQ(e.saved_bytes, e.step_peak.activation_bytes) << c.config << ", " << c.what;
+    EXPECT_EQ(e.step_peak.activation_bytes, cpu.activation_bytes) << c.config << ", " << c.what;
+    EXPECT_EQ(e.step_peak.param_bytes, cpu.param_bytes) << c.config << ", " << c.what;
+    EXPECT_EQ(e.step_peak.optimizer_state_bytes, cpu.optimizer_state_bytes) << c.config << ", " << c.what;
+    EXPECT_EQ(e.step_peak.peak_bytes, cpu.peak_bytes) << c.config << ", " << c.what;
+  }
+}
+
+}  // namespace
