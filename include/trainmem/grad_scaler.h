@@ -90,7 +90,9 @@ class TRAINMEM_API GradScaler {
 
   /// Unscales first if unscale_() was not called, then runs
   /// `optimizer.step()` unless a gradient was inf/NaN. Returns true if the
-  /// optimizer stepped. Throws if called twice before update().
+  /// optimizer stepped. Throws if called twice before update(). In a
+  /// prediction on meta (predict_step_function) the gradients hold no
+  /// values, and the step is taken, as every step without inf/NaN is.
   bool step(torch::optim::Optimizer& optimizer);
 
   /// Always throws: an OptimizerInBackward steps inside backward, before the

@@ -123,11 +123,13 @@ struct StepPeak {
 /// under a counting meta allocator: no data is touched. With an optimizer the
 /// step runs twice and the second is reported (optimizer state exists, as in a
 /// training loop). `loss_fn` must build its inputs on meta (they count in the
-/// step) and return a scalar. Counts the meta allocations: what CPU kernels
-/// allocate internally (flash attention's per-thread buffers; oneDNN, BLAS
-/// scratch) and CPU tensors made beside the meta ones (each checkpoint's
-/// 5,056 B RNG stash) are not seen: on the capstone the CPU measures 0 to
-/// 0.06 % more. Throws, naming it, if a parameter is not on meta.
+/// step) and return a scalar. Counts the meta allocations, and what the CPU
+/// allocates beside a kernel's outputs where it is modelled (BLAS operand
+/// copies, oneDNN and convolution scratch by probe, checkpoints' RNG stashes,
+/// wrapped scalars). A tensor `loss_fn` makes without a device (a causal
+/// mask from torch::ones({T, T}), torch::arange(T)) lands on meta, as on
+/// the CPU it would land where the step runs, and is counted. Throws, naming
+/// it, if a parameter is not on meta.
 ///
 /// Example:
 /// ```
@@ -155,6 +157,72 @@ TRAINMEM_API StepPeak measure_step_peak(
 
 /// Text: the peak, its phase and its terms.
 TRAINMEM_API std::string to_string(const StepPeak& peak);
+
+/// What a training step written as the user's own function holds: live
+/// bytes at its start (split by what they are) and at its peak and end.
+/// Plain data; all in bytes.
+struct StepFunctionPeak {
+  /// Live when the measured step starts, each storage once: the modules'
+  /// parameters and buffers, the gradients left from the step before (a
+  /// loop that calls zero_grad() after its forward keeps them through the
+  /// forward), and the optimizers' state.
+  int64_t start_bytes = 0;
+  int64_t param_bytes = 0;            ///< parameters, in start_bytes
+  int64_t buffer_bytes = 0;           ///< buffers, in start_bytes
+  int64_t grad_bytes = 0;             ///< gradients, in start_bytes
+  int64_t optimizer_state_bytes = 0;  ///< optimizer state, in start_bytes
+  /// start_bytes plus the highest rise of live bytes above the start during
+  /// the step: the step's peak.
+  int64_t peak_bytes = 0;
+  /// start_bytes plus what the step left live minus what it freed.
+  int64_t end_bytes = 0;
+};
+
+/// Predicts the peak of `step`, the user's whole training step as it is
+/// written in their loop (any number of forward and backward passes,
+/// optimizers and zero_grad() calls, in any order: a GAN's discriminator and
+/// generator steps, gradient accumulation, zero_grad after the forward), by
+/// running it on meta. `modules` and `optimizers` are what it trains (their
+/// parameters must be on meta); what they hold when the measured step starts
+/// is start_bytes. The step runs `warmup_steps` times first (gradients and
+/// optimizer state made as in a loop), then once more, measured. Tensors it
+/// makes without a device land on meta and are counted, as on the CPU
+/// (data made inside the step counts; a batch made between steps does not).
+/// `loss.backward()` inside the step accumulates gradients as the CPU's
+/// engine does. The modules' gradients and buffers and the optimizers' state
+/// are as they were afterwards, also when the step throws (Note [Predictions
+/// leave no trace]). Throws, naming it, for an empty step, no module, a null
+/// module or optimizer, a parameter not on meta, or warmup_steps < 0.
+///
+/// Example:
+/// ```
+/// // a GAN's step: D on real and fake, then G through D
+/// auto p = trainmem::predict_step_function({G.get(), D.get()}, {&opt_g, &opt_d}, [&] {
+///   auto real = at::empty({64, 784}, at::kMeta);
+///   auto fake = G->forward(at::empty({64, 100}, at::kMeta));
+///   opt_d.zero_grad();
+///   (D->forward(real).mean() - D->forward(fake.detach()).mean()).backward();
+///   opt_d.step();
+///   opt_g.zero_grad();
+///   D->forward(fake).mean().backward();
+///   opt_g.step();
+/// });
+/// p.peak_bytes;   // what measure_step_function() measures on CPU
+/// ```
+TRAINMEM_API StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& modules,
+                                                    const std::vector<torch::optim::Optimizer*>& optimizers,
+                                                    const std::function<void()>& step, int64_t warmup_steps = 1);
+
+/// The same step run for real on CPU, measured by the CpuMemoryTracker
+/// (which must be installed), with the same start_bytes accounting: bytes
+/// live before the step that are none of the modules' and optimizers' do not
+/// count.
+TRAINMEM_API StepFunctionPeak measure_step_function(const std::vector<torch::nn::Module*>& modules,
+                                                    const std::vector<torch::optim::Optimizer*>& optimizers,
+                                                    const std::function<void()>& step, int64_t warmup_steps = 1);
+
+/// Text: the peak, the end and the start's terms.
+TRAINMEM_API std::string to_string(const StepFunctionPeak& peak);
 
 // ---------------------------------------------------------------------------
 // The checkpoint planner

@@ -113,7 +113,9 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(st.found_inf.defined(), "GradScaler::step: no inf checks were recorded for this optimizer ",
               "(no parameter has a gradient)");
   bool stepped = false;
-  if (st.found_inf.item<float>() == 0.0f) {
+  // On meta (a prediction) found_inf holds no value: the step is taken, as
+  // every step without inf/NaN is.
+  if (st.found_inf.is_meta() || st.found_inf.item<float>() == 0.0f) {
     optimizer.step();
     stepped = true;
   }

@@ -20,6 +20,7 @@
 #include <ATen/core/Reduction.h>
 #include <ATen/native/Pool.h>
 #include <c10/core/WrapDimMinimal.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/TensorOptions.h>
 #include <c10/util/Exception.h>
@@ -106,6 +107,9 @@ std::optional<CpuProbe> cpu_probe(const std::string& key, int64_t probe_bytes, c
   if (probe_bytes <= kMaxProbeBytes) {
     auto& tracker = CpuMemoryTracker::install();
     std::optional<PeakWindow> window;
+    // The probe is trainmem's own CPU work: no handler (a MetaInitGuard
+    // around the user's step would make its twins meta) may see its ops.
+    c10::impl::ExcludeDispatchKeyGuard unseen(detail::kInterceptKey);
     const auto outs = run([&] { window.emplace(tracker); });
     TORCH_INTERNAL_ASSERT(window.has_value());
     probe.emplace();
@@ -654,6 +658,15 @@ at::Tensor nll_loss2d_backward_meta(const at::Tensor& /*grad_output*/, const at:
   return at::empty(self.sizes(), self.options());
 }
 
+// GradScaler's ops (grad_scaler.h) work in place and allocate nothing: on
+// meta, where no gradient has a value to check, they do nothing.
+void amp_unscale_meta(at::TensorList /*grads*/, at::Tensor& /*found_inf*/, const at::Tensor& /*inv_scale*/) {}
+
+at::Tensor& amp_update_scale_meta(at::Tensor& self, at::Tensor& /*growth_tracker*/, const at::Tensor& /*found_inf*/,
+                                  double /*growth_factor*/, double /*backoff_factor*/, int64_t /*growth_interval*/) {
+  return self;
+}
+
 at::Tensor mse_loss_backward_meta(const at::Tensor& grad_output, const at::Tensor& self,
                                   const at::Tensor& /*target*/, int64_t /*reduction*/) {
   return at::empty(self.sizes(), grad_output.options().dtype(self.scalar_type()));
@@ -720,6 +733,8 @@ void register_missing_meta_kernels() {
       add("aten::mse_loss_backward", "", TORCH_FN(mse_loss_backward_meta));
       add("aten::binary_cross_entropy", "", TORCH_FN(binary_cross_entropy_meta));
       add("aten::binary_cross_entropy_backward", "", TORCH_FN(binary_cross_entropy_backward_meta));
+      add("aten::_amp_foreach_non_finite_check_and_unscale_", "", TORCH_FN(amp_unscale_meta));
+      add("aten::_amp_update_scale_", "", TORCH_FN(amp_update_scale_meta));
     } catch (const std::exception& e) {
       TORCH_WARN("trainmem: could not add meta kernels (", e.what(), "); ops without one throw on meta");
     }

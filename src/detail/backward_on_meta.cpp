@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 namespace trainmem::detail {
@@ -61,7 +62,10 @@ void BackwardOnMeta::run(const at::Tensor& loss) {
 
 void BackwardOnMeta::handle(const InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                             torch::jit::Stack* stack) {
-  if (t_between_backward_nodes && !at::GradMode::is_enabled() && op.schema().name() == "aten::add" &&
+  // Inside a backward only: a guard held across a user's whole step also
+  // sees the forward and the optimizer step after a backward's last node.
+  if (t_between_backward_nodes && torch::autograd::get_current_graph_task_id() != -1 &&
+      !at::GradMode::is_enabled() && op.schema().name() == "aten::add" &&
       op.schema().overload_name() == "Tensor" && stack->size() >= 3) {
     const auto& a = (*stack)[stack->size() - 3];
     const auto& b = (*stack)[stack->size() - 2];

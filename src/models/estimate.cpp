@@ -85,6 +85,45 @@ std::string precision_assumption(Precision p, bool cuda) {
 
 } // namespace
 
+HfModel build_model(const HfConfig& config, const ModelEstimateOptions& options) {
+  HfModel model = build_hf_model(config);
+  if (options.precision() == Precision::kBf16) {
+    model.module->to(at::kBFloat16);  // as from_pretrained(torch_dtype=torch.bfloat16), before PEFT
+  }
+  if (options.lora()) {
+    apply_lora(*model.module, *options.lora());
+  }
+  return model;
+}
+
+RegionModel model_regions(const HfModel& model, const ModelEstimateOptions& options, c10::DeviceType autocast_device) {
+  RegionModel m = hf_region_model(model, options.batch(), options.seq_len());
+  if (options.precision() != Precision::kBf16Autocast) {
+    return m;
+  }
+  // Each region, and the loss, in an autocast region of its own: what the
+  // user's forward runs under one region, with the same casts (the cast
+  // cache, of weights used by two regions, is the only difference: a tied
+  // embedding is not cast by its lookup).
+  std::vector<Region> wrapped;
+  for (const auto& r : m.regions) {
+    wrapped.emplace_back(
+        r.name(),
+        [r, autocast_device](const at::Tensor& x) {
+          return run_under_autocast(autocast_device, at::kBFloat16, [&] { return r(x); });
+        },
+        r.modules());
+    if (!r.key().empty()) {
+      wrapped.back().key(r.key() + " (bf16 autocast)");
+    }
+  }
+  m.regions = std::move(wrapped);
+  m.loss = [loss = m.loss, autocast_device](const at::Tensor& y) {
+    return run_under_autocast(autocast_device, at::kBFloat16, [&] { return loss(y); });
+  };
+  return m;
+}
+
 ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions& options) {
   const auto& o = options;
   TORCH_CHECK(o.batch() >= 1 && o.seq_len() >= 1, "estimate_model: expected batch and seq_len > 0, but got batch ",
@@ -104,14 +143,12 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
   HfModel model;
   {
     MetaInitGuard meta;  // nothing allocated, whatever the size
-    model = build_hf_model(config);
+    model = build_model(config, o);
   }
-  const bool pure = o.precision() == Precision::kBf16;
-  if (pure) {
-    model.module->to(at::kBFloat16);  // as from_pretrained(torch_dtype=torch.bfloat16), before PEFT
-  }
-  if (o.lora()) {
-    e.lora_layers = apply_lora(*model.module, *o.lora()).adapted;
+  for (const auto& item : model.module->named_modules("", /*include_self=*/false)) {
+    if (lora_of(*item.value()) != nullptr) {
+      e.lora_layers.push_back(item.key());
+    }
   }
   e.num_params = account(*model.module).num_params;
   std::vector<at::Tensor> trainable;

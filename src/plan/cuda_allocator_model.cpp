@@ -14,10 +14,11 @@ namespace trainmem {
 // Note [A model of the CUDA caching allocator]
 // Each function below mirrors the one of c10/cuda/CUDACachingAllocator.cpp
 // named in its comment (read in PyTorch's source; the constants are those of
-// c10/core/AllocatorConfig.h in the installed 2.13 wheel). What is left out:
-// cross-stream uses (record_stream events), CUDA graph pools, garbage
-// collection by `garbage_collection_threshold`, and IPC. Addresses are made
-// up: each new segment starts 2 MiB past the end of the previous one.
+// c10/core/AllocatorConfig.h in the installed 2.13 wheel), garbage
+// collection by `garbage_collection_threshold` included (it acts when the
+// device's size is set). What is left out: cross-stream uses (record_stream
+// events), CUDA graph pools and IPC. Addresses are made up: each new segment
+// starts 2 MiB past the end of the previous one.
 
 namespace {
 

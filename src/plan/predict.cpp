@@ -54,6 +54,7 @@
 #include "detail/intercept.h"
 #include "core/detail/cpu_probe.h"
 #include "core/detail/autocast_on_meta.h"
+#include "core/detail/optimizer_state_walk.h"
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "detail/optimizer_state.h"
@@ -477,6 +478,9 @@ StepPeak predict_step_peak(
       [&] { return meta.peak_bytes(); });
   detail::StepOptions options;
   options.who = "predict_step_peak";
+  // A tensor the step makes without a device (a mask from torch::ones) lands
+  // on meta and counts, as it would land on the CPU the step runs on.
+  MetaInitGuard factories;
   detail::run_meta_step(module, [&] { return phases.metered(loss_fn); }, optimizer, options,
                         [&](int /*step*/, StepPoint point) {
                           if (point == StepPoint::kBegin) {
@@ -515,6 +519,158 @@ StepPeak measure_step_peak(
   r.grad_bytes = -1;
   r.transient_bytes = -1;
   return r;
+}
+
+// ---------------------------------------------------------------------------
+// The user's own step function
+
+namespace {
+
+void check_step_args(const std::vector<torch::nn::Module*>& modules,
+                     const std::vector<torch::optim::Optimizer*>& optimizers, const std::function<void()>& step,
+                     int64_t warmup_steps, const char* who) {
+  TORCH_CHECK(static_cast<bool>(step), who, ": the step function is empty");
+  TORCH_CHECK(!modules.empty(), who, ": expected at least one module (what the step trains), but got none");
+  TORCH_CHECK(warmup_steps >= 0, who, ": expected warmup_steps >= 0, but got ", warmup_steps);
+  for (size_t i = 0; i < modules.size(); ++i) {
+    TORCH_CHECK(modules[i] != nullptr, who, ": module ", i, " is null");
+  }
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    TORCH_CHECK(optimizers[i] != nullptr, who, ": optimizer ", i, " is null");
+  }
+}
+
+// What the modules and optimizers hold now, each storage once.
+StepFunctionPeak resident(const std::vector<torch::nn::Module*>& modules,
+                          const std::vector<torch::optim::Optimizer*>& optimizers) {
+  StepFunctionPeak r;
+  std::unordered_set<const c10::StorageImpl*> seen;
+  const auto add = [&](const at::Tensor& t, int64_t& bucket) {
+    if (t.defined() && t.has_storage() && seen.insert(t.storage().unsafeGetStorageImpl()).second) {
+      bucket += static_cast<int64_t>(t.storage().nbytes());
+    }
+  };
+  for (const auto* m : modules) {
+    for (const auto& p : m->parameters(/*recurse=*/true)) {
+      add(p, r.param_bytes);
+    }
+    for (const auto& b : m->buffers(/*recurse=*/true)) {
+      add(b, r.buffer_bytes);
+    }
+  }
+  for (const auto* m : modules) {
+    for (const auto& p : m->parameters(/*recurse=*/true)) {
+      add(p.grad(), r.grad_bytes);
+    }
+  }
+  for (const auto* o : optimizers) {
+    detail::for_each_state_tensor(*o, [&](const std::string& /*field*/, const at::Tensor& t) {
+      add(t, r.optimizer_state_bytes);
+    });
+  }
+  r.start_bytes = r.param_bytes + r.buffer_bytes + r.grad_bytes + r.optimizer_state_bytes;
+  return r;
+}
+
+// Note [Predictions leave no trace], for several modules and optimizers.
+struct StepFunctionStateGuard {
+  StepFunctionStateGuard(const std::vector<torch::nn::Module*>& modules,
+                         const std::vector<torch::optim::Optimizer*>& optimizers) {
+    for (auto* m : modules) {
+      modules_.push_back(std::make_unique<detail::StepStateGuard>(*m, nullptr));
+    }
+    for (auto* o : optimizers) {
+      states_.push_back(std::make_unique<detail::OptimizerStateAside>(*o));
+    }
+  }
+  std::vector<std::unique_ptr<detail::StepStateGuard>> modules_;
+  std::vector<std::unique_ptr<detail::OptimizerStateAside>> states_;
+};
+
+// Runs the warm-up steps, then the measured one between `begin` (which
+// returns the live bytes at the start and opens a peak window) and `end`
+// (which returns the window's peak and the live bytes at the end).
+StepFunctionPeak run_step_function(const std::vector<torch::nn::Module*>& modules,
+                                   const std::vector<torch::optim::Optimizer*>& optimizers,
+                                   const std::function<void()>& step, int64_t warmup_steps,
+                                   const std::function<int64_t()>& begin,
+                                   const std::function<std::pair<int64_t, int64_t>()>& end) {
+  for (int64_t i = 0; i < warmup_steps; ++i) {
+    step();
+  }
+  StepFunctionPeak r = resident(modules, optimizers);
+  const int64_t live = begin();
+  step();
+  const auto [peak, after] = end();
+  r.peak_bytes = r.start_bytes + peak - live;
+  r.end_bytes = r.start_bytes + after - live;
+  return r;
+}
+
+} // namespace
+
+StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& modules,
+                                       const std::vector<torch::optim::Optimizer*>& optimizers,
+                                       const std::function<void()>& step, int64_t warmup_steps) {
+  check_step_args(modules, optimizers, step, warmup_steps, "predict_step_function");
+  for (const auto* m : modules) {
+    check_on_meta(*m, "predict_step_function");
+  }
+  enable_cpu_meta_kernels();
+  std::lock_guard<std::mutex> lock(prediction_mutex());
+  StepFunctionStateGuard untouched(modules, optimizers);
+  auto& meta = MetaAllocator::get();
+  CountingObserver counter;
+  detail::MetaObserverScope attached(counter);
+  CpuKernelModel kernels(counter);
+  detail::register_intercept_fallback();
+  detail::InterceptScope kernel_scope(kernels);
+  detail::MetaRngCopies copies(/*stash=*/true, /*fork=*/true);
+  detail::RngCopyObserverGuard copies_scope(&copies);
+  // The step's own backward calls accumulate as the CPU's engine does (Note
+  // [Gradient accumulation on meta]); its autocast regions cast as the CPU's
+  // autocast does (Note [Autocast on meta]); its factories land on meta.
+  detail::BackwardOnMeta backward;
+  detail::AutocastOnMeta autocast(c10::kCPU);
+  MetaInitGuard factories;
+  return run_step_function(
+      modules, optimizers, step, warmup_steps,
+      [&] {
+        counter.open_window();
+        return meta.live_bytes();
+      },
+      [&] {
+        const int64_t peak = meta.peak_bytes();
+        counter.close_window();
+        return std::make_pair(peak, meta.live_bytes());
+      });
+}
+
+StepFunctionPeak measure_step_function(const std::vector<torch::nn::Module*>& modules,
+                                       const std::vector<torch::optim::Optimizer*>& optimizers,
+                                       const std::function<void()>& step, int64_t warmup_steps) {
+  check_step_args(modules, optimizers, step, warmup_steps, "measure_step_function");
+  TORCH_CHECK(CpuMemoryTracker::installed(),
+              "measure_step_function: install the CpuMemoryTracker first (CpuMemoryTracker::install())");
+  auto& tracker = CpuMemoryTracker::install();
+  std::optional<PeakWindow> window;
+  return run_step_function(
+      modules, optimizers, step, warmup_steps,
+      [&] {
+        window.emplace(tracker);
+        return tracker.stats().allocated_bytes;
+      },
+      [&] { return std::make_pair(window->peak_bytes(), tracker.stats().allocated_bytes); });
+}
+
+std::string to_string(const StepFunctionPeak& p) {
+  std::ostringstream os;
+  os << fmt::format("step peak {:>16} B, at its end {} B\n", with_commas(p.peak_bytes), with_commas(p.end_bytes));
+  os << fmt::format("  at its start          {:>16} B: parameters {} B, buffers {} B, gradients {} B, optimizer "
+                    "state {} B\n",
+                    with_commas(p.start_bytes), with_commas(p.param_bytes), with_commas(p.buffer_bytes),
+                    with_commas(p.grad_bytes), with_commas(p.optimizer_state_bytes));
+  return os.str();
 }
 
 std::string to_string(const StepPeak& p) {

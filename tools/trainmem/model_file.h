@@ -9,17 +9,31 @@
 #include <nlohmann/json.hpp>
 
 #include "trainmem/cuda_predict.h"
+#include "trainmem/models/estimate.h"
 
 namespace trainmem::cli {
+
+struct LoraFlags {
+  int64_t rank = 0;     ///< --lora-rank: 0 for no LoRA
+  double alpha = 8.0;   ///< --lora-alpha (PEFT's default)
+  std::string targets;  ///< --lora-targets: comma-separated layer names
+};
+
+/// Adds --lora-rank, --lora-alpha and --lora-targets to `sub`.
+void add_lora_flags(CLI::App& sub, LoraFlags& flags);
+
+/// estimate_model()'s options for a micro-batch, a --precision (fp16-autocast
+/// refused: a meta step cannot read its GradScaler's found_inf) and the LoRA
+/// flags. Throws UsageError naming a bad value.
+ModelEstimateOptions model_options(int64_t batch, int64_t seq_len, const std::string& precision,
+                                   const LoraFlags& lora);
 
 struct ModelFileFlags {
   std::string path;   ///< --model: the config.json
   int64_t ranks = 1;  ///< --ranks: data-parallel ranks
   int64_t zero = 0;   ///< --zero: ZeRO stage 0-3
   std::string checkpoint = "none";  ///< --checkpoint: BlockCheckpointing::named()
-  int64_t lora_rank = 0;            ///< --lora-rank: 0 for no LoRA
-  double lora_alpha = 8.0;          ///< --lora-alpha (PEFT's default)
-  std::string lora_targets;         ///< --lora-targets: comma-separated layer names
+  LoraFlags lora;                   ///< --lora-*
 };
 
 /// Adds --model, --ranks, --zero, --checkpoint and the --lora-* flags to `sub`.
@@ -34,8 +48,9 @@ void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_
                         const CudaPredictOptions* cuda = nullptr, const std::string& device = "cpu",
                         const std::string& precision = "fp32");
 
-/// `trainmem plan --model FILE --budget B`: the model's checkpoint plan for a
-/// fp32 AdamW step of a (batch, seq_len) micro-batch, planned on meta
+/// `trainmem plan --model FILE --budget B`: the model's checkpoint plan for an
+/// AdamW step of `options`' micro-batch, precision (fp32, bf16 autocast, bf16)
+/// and LoRA, planned on meta
 /// (plan_regions() on hf_region_model()). With `run`, the model is also
 /// built on CPU and one step run under the plan, measured beside the
 /// prediction (a small config only: it needs the memory it plans for).
@@ -43,7 +58,7 @@ void run_estimate_model(const ModelFileFlags& flags, int64_t batch, int64_t seq_
 /// `kind` (plan_regions_cuda(); `device` is printed); nothing runs.
 /// Throws UsageError (exit 2) for a bad config or flag, CheckFailed (exit 3)
 /// when no plan fits.
-void run_plan_model(const std::string& path, int64_t budget, int64_t batch, int64_t seq_len, bool selective,
+void run_plan_model(const std::string& path, int64_t budget, const ModelEstimateOptions& options, bool selective,
                     bool run, bool json, const CudaPredictOptions* cuda = nullptr,
                     CudaBudgetKind kind = CudaBudgetKind::kAllocated, const std::string& device = "cpu");
 

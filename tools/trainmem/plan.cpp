@@ -38,6 +38,9 @@ struct PlanFlags {
   std::string budget_kind = "allocated";  // with cuda: allocated or reserved
   std::string model_file;                 // --model: a config.json (model_file.cpp)
   bool run_model = false;                 // --run: with --model, run the plan on CPU
+  std::string precision = "fp32";         // --precision: with --model
+  LoraFlags lora;                         // --lora-*: with --model
+  std::function<bool(const char*)> given; // whether a flag was given
 };
 
 struct Measured {
@@ -119,18 +122,28 @@ void run(const PlanFlags& f) {
   if (budget <= 0) {
     throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
   }
+  if (f.model_file.empty()) {
+    for (const char* name : {"--precision", "--lora-rank", "--lora-alpha", "--lora-targets"}) {
+      if (f.given(name)) {
+        throw UsageError(fmt::format("{} goes with --model (a config file's model); the bundled transformer is "
+                                     "planned in fp32",
+                                     name));
+      }
+    }
+  }
   if (!f.model_file.empty()) {
+    const auto options = model_options(f.model.batch, f.model.seq_len, f.precision, f.lora);
     if (f.cost != "flops") {
       throw UsageError("--cost " + f.cost + " with --model: a model file is planned with FLOP costs (drop --cost)");
     }
     if (f.device != "cpu") {
       const auto kind = cuda_budget_kind(f);
       const CudaPredictOptions cuda;
-      run_plan_model(f.model_file, budget, f.model.batch, f.model.seq_len, !f.no_selective, f.run_model, f.json,
+      run_plan_model(f.model_file, budget, options, !f.no_selective, f.run_model, f.json,
                      &cuda, kind, f.device);
       return;
     }
-    run_plan_model(f.model_file, budget, f.model.batch, f.model.seq_len, !f.no_selective, f.run_model, f.json);
+    run_plan_model(f.model_file, budget, options, !f.no_selective, f.run_model, f.json);
     return;
   }
   if (f.run_model) {
@@ -239,6 +252,11 @@ void add_plan_command(CLI::App& app) {
                   "a Hugging Face style config.json (gpt2, llama, mistral, qwen2 or qwen3, as transformers 5.24.0 computes them): plan that model on meta instead "
                   "(--batch and --seq-len give its micro-batch)");
   sub->add_flag("--run", f->run_model, "with --model: also build it on CPU and run one step under the plan");
+  sub->add_option("--precision", f->precision, "with --model: fp32, bf16-autocast or bf16 (a model held in bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast"}))
+      ->capture_default_str();
+  add_lora_flags(*sub, f->lora);
+  f->given = [sub](const char* name) { return sub->get_option(name)->count() > 0; };
   sub->callback([f] { run(*f); });
 }
 

@@ -110,6 +110,22 @@ struct ModelEstimate {
   std::vector<std::string> assumptions;
 };
 
+/// The model `config` describes, built on the current device (on meta under a
+/// MetaInitGuard, else on CPU and initialized) as `options` asks: cast to
+/// bf16 for Precision::kBf16, then given LoRA adapters when asked (as
+/// from_pretrained in bf16, then get_peft_model). Its loss and forward are
+/// HfModel's; the autocast of kBf16Autocast is the caller's to open
+/// (run_under_autocast), as in a user's loop.
+TRAINMEM_API HfModel build_model(const HfConfig& config, const ModelEstimateOptions& options);
+
+/// `model`'s training step as plan_regions() sees it (hf_region_model() at
+/// options' batch and seq_len), with every region and the loss run under
+/// autocast in bf16 for `autocast_device` when options.precision() is
+/// kBf16Autocast (kCPU for plan_regions and a CPU run, kCUDA for
+/// plan_regions_cuda). Throws as hf_region_model().
+TRAINMEM_API RegionModel model_regions(const HfModel& model, const ModelEstimateOptions& options,
+                                       c10::DeviceType autocast_device = c10::kCPU);
+
 /// Predicts one AdamW training step of the model `config` describes, built
 /// on meta, as `options` asks (see ModelEstimateOptions). Under bf16
 /// autocast the CPU figures follow the CPU's autocast policy and the CUDA
