@@ -573,6 +573,16 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
                  std::to_string(run.first_address_mismatch) + ": recorded at address " + std::to_string(e.addr) +
                  ", model at " + std::to_string(run.first_mismatch_model_address);
   }
+  // Expandable segments mapped before recording are not seeded (seed_segments):
+  // the model cannot take over pages it did not map, so their requests map
+  // new ones. Say so where that is why the replay diverges.
+  const bool unseeded_expandable = std::any_of(snap.segments.begin(), snap.segments.end(),
+                                               [](const auto& sg) { return sg.expandable; }) &&
+                                   r.preexisting_reserved_bytes > 0;
+  if (!r.matches && unseeded_expandable) {
+    r.mismatch += " (expandable segments mapped before recording began are not modelled: " +
+                  std::to_string(r.preexisting_reserved_bytes) + " B were mapped then)";
+  }
   if (r.matches && rec.peak_reserved_bytes != r.model.peak_reserved_bytes) {
     r.matches = false;
     r.mismatch = "same device calls, but peak reserved differs: recorded " +
