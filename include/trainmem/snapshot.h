@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "trainmem/export.h"
@@ -44,6 +45,9 @@ struct TraceEntry {
   /// Index into Snapshot::stacks of the frames kept (-1: none recorded);
   /// read them with Snapshot::frames(entry).
   int32_t stack = -1;
+  /// `oom`: the device's free bytes when the request failed, as recorded
+  /// (cudaMemGetInfo; the pickle's `device_free`). 0 for other actions.
+  int64_t device_free = 0;
 };
 
 /// One block of a recorded segment.
@@ -65,13 +69,18 @@ struct SnapshotSegment {
   int64_t device = 0;
   std::string segment_type;  ///< "large" or "small"
   bool expandable = false;
+  /// `segment_pool_id`: (0, 0) for the default pools; another id for a
+  /// private pool (a CUDA graph's or a `MemPool`'s).
+  std::pair<int64_t, int64_t> pool_id{0, 0};
   std::vector<SnapshotBlock> blocks;
 };
 
 /// A whole snapshot file, as plain data.
 struct TRAINMEM_API Snapshot {
-  std::vector<SnapshotSegment> segments;
-  std::vector<TraceEntry> traces;  ///< device 0's trace (the first non-empty one)
+  std::vector<SnapshotSegment> segments;  ///< every device's (SnapshotSegment::device)
+  /// Every device's trace, device by device in `device_traces` order
+  /// (TraceEntry::device says which); a recording of one GPU has one.
+  std::vector<TraceEntry> traces;
   /// The distinct stacks of the trace, each the Python frames first, then
   /// C++ frames past the allocator's plumbing, at most kSnapshotFrames: a
   /// training loop repeats its stacks, so a million entries share a few.
@@ -96,6 +105,15 @@ TRAINMEM_API Snapshot parse_snapshot(const std::string& bytes);
 /// Reads and parses the file at `path` (at most 4 GiB). Throws c10::Error
 /// naming the path.
 TRAINMEM_API Snapshot read_snapshot(const std::string& path);
+
+/// The devices `snap` records, lowest first: those with a trace entry or a
+/// segment (a recording of one GPU gives {0}; an empty one gives {}).
+TRAINMEM_API std::vector<int64_t> snapshot_devices(const Snapshot& snap);
+
+/// The part of `snap` on `device`: its segments and its trace, with the
+/// stacks and allocator settings. Each device has its own allocator, so
+/// each is replayed on its own.
+TRAINMEM_API Snapshot device_snapshot(const Snapshot& snap, int64_t device);
 
 /// Figures of one run, recorded or modelled. All in bytes.
 struct SnapshotFigures {
@@ -142,6 +160,27 @@ struct LiveByFrame {
 /// number ("model.py:22 forward"), else the first frame's name.
 TRAINMEM_API std::string frame_label(const std::vector<SnapshotFrame>& frames);
 
+/// A request the device could not serve (the trace's first `oom` entry),
+/// explained. All in bytes.
+struct SnapshotOom {
+  int64_t event = -1;            ///< trace index of the oom
+  int64_t requested_bytes = 0;   ///< the request that failed
+  int64_t device_free_bytes = 0; ///< the device's free memory then, as recorded
+  int64_t reserved_bytes = 0;    ///< reserved by the allocator then, as recorded
+  /// reserved_bytes + device_free_bytes: the device memory the allocator
+  /// could hold. The recording gives no total (the CUDA context and other
+  /// processes hold the rest); the what-ifs are replayed on a device of this size.
+  int64_t device_total_bytes = 0;
+  int64_t allocated_bytes = 0;   ///< live requests then, rounded to 512 B (recorded)
+  /// Free blocks inside the segments then, and the largest of them (the
+  /// model's, replayed to that event): a request larger than the largest
+  /// fails even when the free bytes would hold it.
+  int64_t free_in_segments_bytes = 0;
+  int64_t largest_free_block_bytes = 0;
+  /// Everything live then, grouped by frame_label(), most bytes first.
+  std::vector<LiveByFrame> live_by_frame;
+};
+
 /// What replay_snapshot() finds.
 struct SnapshotReplay {
   int64_t num_events = 0;
@@ -162,6 +201,8 @@ struct SnapshotReplay {
   int64_t model_free_in_unused_segments_bytes = 0;
   /// The model's partly used segments at its reserved peak, most free bytes first (at most 10).
   std::vector<StrandedSegment> stranded_at_peak;
+  /// The trace's first `oom`, when it has one.
+  std::optional<SnapshotOom> oom;
 };
 
 /// Replays `snap`'s trace. The segments that existed when recording began
@@ -181,7 +222,8 @@ struct SnapshotWhatIf {
   int64_t peak_reserved_bytes = 0;
   int64_t allocated_at_peak_reserved_bytes = 0;
   int64_t num_segment_allocs = 0;
-  /// Requests that did not fit in `device_bytes` (0 without a device size).
+  /// Requests that did not fit in `device_bytes` (0 without a device size),
+  /// the recorded `oom` requests among them: the what-if tries each again.
   int64_t num_ooms = 0;
 };
 

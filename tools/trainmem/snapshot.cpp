@@ -4,6 +4,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -53,9 +54,27 @@ std::vector<LiveByFrame> grown(const SnapshotReplay& self, const SnapshotReplay&
   return out;
 }
 
-void print_text(const std::string& file, const Snapshot& snap, const SnapshotReplay& r,
-                const std::vector<SnapshotWhatIf>& w) {
-  std::cout << "snapshot " << file << ": " << with_commas(r.num_events) << " events, " << snap.segments.size()
+// The trace's oom, explained (Note [An oom in a recording]).
+void print_oom(const SnapshotOom& o) {
+  std::cout << "out of memory at event " << with_commas(o.event) << ": " << with_commas(o.requested_bytes)
+            << " B requested; the device had " << with_commas(o.device_free_bytes)
+            << " B free (recorded), the allocator "
+            << with_commas(o.reserved_bytes) << " B reserved: " << with_commas(o.device_total_bytes)
+            << " B in all (the recording gives no device total)\n";
+  std::cout << "  " << with_commas(o.allocated_bytes) << " B allocated, " << with_commas(o.free_in_segments_bytes)
+            << " B free inside segments, the largest free block " << with_commas(o.largest_free_block_bytes)
+            << " B (model, replayed to that event)\n";
+  std::cout << "  live then, by where allocated:\n";
+  for (size_t k = 0; k < o.live_by_frame.size() && k < 10; ++k) {
+    const auto& g = o.live_by_frame[k];
+    std::cout << "    " << with_commas(g.requested_bytes) << " B  (" << g.num_allocations << " allocations)  "
+              << g.frame << "\n";
+  }
+}
+
+void print_text(const std::string& title, const Snapshot& snap, const SnapshotReplay& r,
+                const std::vector<SnapshotWhatIf>& w, int64_t device_bytes) {
+  std::cout << title << ": " << with_commas(r.num_events) << " events, " << snap.segments.size()
             << " segments at the end, " << with_commas(r.num_preexisting_blocks) << " blocks live before recording ("
             << with_commas(r.preexisting_reserved_bytes) << " B reserved)\n";
   std::cout << "                          recorded          model\n";
@@ -73,6 +92,7 @@ void print_text(const std::string& file, const Snapshot& snap, const SnapshotRep
     std::cout << "replayed under the recording's PYTORCH_CUDA_ALLOC_CONF: " << *snap.alloc_conf << "\n";
   }
   std::cout << "replay: " << (r.matches ? "matches" : "diverges") << (r.matches ? "" : ": " + r.mismatch) << "\n";
+  if (r.oom) print_oom(*r.oom);
   std::cout << "largest allocations live at the requested peak:\n";
   for (const auto& a : r.top_live_at_peak) {
     std::cout << "  " << with_commas(a.requested_bytes) << " B  " << where(a.frames) << "\n";
@@ -86,7 +106,8 @@ void print_text(const std::string& file, const Snapshot& snap, const SnapshotRep
               << where(st.frames) << ")\n";
   }
   if (!w.empty()) {
-    std::cout << "what if (replayed from an empty allocator):\n";
+    std::cout << "what if (replayed from an empty allocator"
+              << (device_bytes > 0 ? " on a device of " + with_commas(device_bytes) + " B" : std::string()) << "):\n";
     // The lowest peak among the settings under which every request fit.
     size_t best = w.size();
     for (size_t k = 0; k < w.size(); ++k) {
@@ -100,9 +121,89 @@ void print_text(const std::string& file, const Snapshot& snap, const SnapshotRep
                 << with_commas(w[k].peak_reserved_bytes - w[k].allocated_at_peak_reserved_bytes) << " B, "
                 << with_commas(w[k].num_segment_allocs) << " cudaMalloc"
                 << (w[k].num_ooms > 0 ? ", " + with_commas(w[k].num_ooms) + " out of memory" : std::string())
+                << (r.oom ? (w[k].num_ooms == 0 ? ", avoids the OOM" : ", the OOM stays") : "")
                 << (k == best ? "  <- lowest" : "") << "\n";
     }
   }
+}
+
+nlohmann::json replay_json(const SnapshotReplay& r) {
+  return {{"matches", r.matches},
+          {"first_mismatch", r.first_mismatch ? nlohmann::json(*r.first_mismatch) : nlohmann::json()},
+          {"mismatch", r.mismatch},
+          {"num_events", r.num_events},
+          {"recorded", figures_json(r.recorded)},
+          {"model", figures_json(r.model)},
+          {"model_free_at_peak_bytes", r.model_free_at_peak_bytes},
+          {"model_free_in_unused_segments_bytes", r.model_free_in_unused_segments_bytes}};
+}
+
+nlohmann::json oom_json(const SnapshotOom& o) {
+  nlohmann::json live = nlohmann::json::array();
+  for (size_t k = 0; k < o.live_by_frame.size() && k < 10; ++k) {
+    const auto& g = o.live_by_frame[k];
+    live.push_back({{"frame", g.frame}, {"bytes", g.requested_bytes}, {"num_allocations", g.num_allocations}});
+  }
+  return {{"event", o.event},
+          {"requested_bytes", o.requested_bytes},
+          {"device_free_bytes", o.device_free_bytes},
+          {"reserved_bytes", o.reserved_bytes},
+          {"device_total_bytes", o.device_total_bytes},
+          {"allocated_bytes", o.allocated_bytes},
+          {"free_in_segments_bytes", o.free_in_segments_bytes},
+          {"largest_free_block_bytes", o.largest_free_block_bytes},
+          {"live_by_frame", live}};
+}
+
+// One device of the recording: its replay and its what-ifs.
+struct DeviceRun {
+  int64_t device = 0;
+  const Snapshot* snap = nullptr;
+  std::optional<Snapshot> own;  // the device's part, when the recording has several
+  SnapshotReplay replay;
+  std::vector<SnapshotWhatIf> what_if;
+  int64_t what_if_device_bytes = 0;
+};
+
+nlohmann::json what_if_json(const DeviceRun& d) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& x : d.what_if) {
+    out.push_back({{"alloc_conf", x.alloc_conf},
+                   {"peak_reserved_bytes", x.peak_reserved_bytes},
+                   {"allocated_at_peak_reserved_bytes", x.allocated_at_peak_reserved_bytes},
+                   {"num_segment_allocs", x.num_segment_allocs},
+                   {"num_ooms", x.num_ooms},
+                   {"avoids_oom", d.replay.oom ? nlohmann::json(x.num_ooms == 0) : nlohmann::json()}});
+  }
+  return out;
+}
+
+nlohmann::json device_json(const DeviceRun& d) {
+  return {{"device", d.device},
+          {"replay", replay_json(d.replay)},
+          {"what_if_device_bytes", d.what_if_device_bytes},
+          {"what_if", what_if_json(d)},
+          {"oom", d.replay.oom ? oom_json(*d.replay.oom) : nlohmann::json()}};
+}
+
+// Each device replayed against its own segments and trace; the what-ifs on
+// `device_bytes`, else, after an oom, on the device size it recorded.
+std::vector<DeviceRun> run_devices(const Snapshot& snap, const CudaAllocatorConfig& recorded_config,
+                                   const std::vector<std::string>& confs, int64_t device_bytes) {
+  std::vector<DeviceRun> out;
+  auto devices = snapshot_devices(snap);
+  if (devices.empty()) devices.push_back(0);
+  for (const int64_t dev : devices) {
+    DeviceRun d;
+    d.device = dev;
+    if (devices.size() > 1) d.own = device_snapshot(snap, dev);
+    d.snap = d.own ? &*d.own : &snap;
+    d.replay = replay_snapshot(*d.snap, recorded_config);
+    d.what_if_device_bytes = device_bytes > 0 ? device_bytes : d.replay.oom ? d.replay.oom->device_total_bytes : 0;
+    d.what_if = what_if_snapshot(*d.snap, confs, d.what_if_device_bytes);
+    out.push_back(std::move(d));
+  }
+  return out;
 }
 
 } // namespace
@@ -162,8 +263,8 @@ void add_snapshot_command(CLI::App& app) {
                          "\" is not one the model knows: " + e.what_without_backtrace());
       }
     }
-    const auto r = replay_snapshot(snap, recorded_config);
-    const auto w = what_if_snapshot(snap, confs, device_bytes);
+    const auto runs = run_devices(snap, recorded_config, confs, device_bytes);
+    const auto& r = runs.front().replay;
     std::optional<SnapshotReplay> other;
     if (!f->diff.empty()) other = replay_snapshot(load(f->diff));
     if (f->json) {
@@ -172,21 +273,12 @@ void add_snapshot_command(CLI::App& app) {
       j["file"] = f->input;
       j["num_events"] = r.num_events;
       j["recorded_alloc_conf"] = snap.alloc_conf ? nlohmann::json(*snap.alloc_conf) : nlohmann::json();
-      j["replay"] = {{"matches", r.matches},
-                     {"first_mismatch", r.first_mismatch ? nlohmann::json(*r.first_mismatch) : nlohmann::json()},
-                     {"mismatch", r.mismatch},
-                     {"recorded", figures_json(r.recorded)},
-                     {"model", figures_json(r.model)},
-                     {"model_free_at_peak_bytes", r.model_free_at_peak_bytes},
-                     {"model_free_in_unused_segments_bytes", r.model_free_in_unused_segments_bytes}};
-      j["what_if"] = nlohmann::json::array();
-      for (const auto& x : w) {
-        j["what_if"].push_back({{"alloc_conf", x.alloc_conf},
-                                {"peak_reserved_bytes", x.peak_reserved_bytes},
-                                {"allocated_at_peak_reserved_bytes", x.allocated_at_peak_reserved_bytes},
-                                {"num_segment_allocs", x.num_segment_allocs},
-                                {"num_ooms", x.num_ooms}});
-      }
+      // Device 0 (or the only one) at the top, as before devices were read.
+      j["replay"] = replay_json(r);
+      j["what_if"] = what_if_json(runs.front());
+      j["oom"] = r.oom ? oom_json(*r.oom) : nlohmann::json();
+      j["devices"] = nlohmann::json::array();
+      for (const auto& d : runs) j["devices"].push_back(device_json(d));
       if (other) {
         nlohmann::json grew = nlohmann::json::array();
         for (const auto& g : grown(r, *other)) {
@@ -201,7 +293,13 @@ void add_snapshot_command(CLI::App& app) {
       std::cout << j.dump(2) << "\n";
       return;
     }
-    print_text(f->input, snap, r, w);
+    for (const auto& d : runs) {
+      if (runs.size() > 1) std::cout << (&d == &runs.front() ? "" : "\n");
+      const std::string title = runs.size() > 1
+          ? "snapshot " + f->input + ", device " + std::to_string(d.device) + " of " + std::to_string(runs.size())
+          : "snapshot " + f->input;
+      print_text(title, *d.snap, d.replay, d.what_if, d.what_if_device_bytes);
+    }
     if (other) {
       std::cout << "diff " << f->diff << " - " << f->input << ": peak reserved "
                 << with_commas(other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes)
