@@ -24,6 +24,7 @@
 #include <torch/optim/sgd.h>
 
 #include "trainmem/allocator.h"
+#include "trainmem/cuda_predict.h"
 #include "trainmem/grad_scaler.h"
 #include "trainmem/meta.h"
 #include "trainmem/models/estimate.h"
@@ -265,6 +266,40 @@ TEST(StepFunctionTest, Fp16AutocastWithAGradScaler) {
   const auto predicted = trainmem::predict_step_function({meta.ptr().get()}, {&meta_opt},
                                                          [&] { run(meta, meta_opt, meta_scaler); });
   expect_equal(predicted, measured, "fp16 autocast + GradScaler");
+}
+
+// On CUDA: the plain loop written as a step function gives what
+// predict_cuda_step_peak gives for it (the same trace, replayed the same way);
+// the GAN's step is predicted with its three backward passes.
+TEST(StepFunctionTest, OnCudaThePlainLoopEqualsPredictCudaStepPeak) {
+  torch::nn::Sequential meta{nullptr};
+  {
+    trainmem::MetaInitGuard guard;
+    meta = torch::nn::Sequential(torch::nn::Linear(256, 512), torch::nn::GELU(), torch::nn::Linear(512, 256));
+  }
+  torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto loss = [&] { return meta->forward(at::empty({64, 256}, at::kMeta)).pow(2).mean(); };
+  const auto options = trainmem::CudaPredictOptions();
+  const auto plain = trainmem::predict_cuda_step_peak(*meta, loss, &opt, options);
+  const auto function = trainmem::predict_cuda_step_function({meta.ptr().get()}, {&opt}, [&] {
+    for (auto& p : meta->parameters()) p.mutable_grad().reset();
+    opt.zero_grad();
+    loss().backward();
+    opt.step();
+  }, options);
+  std::printf("CUDA: predict_cuda_step_peak %lld / %lld B, step function %lld / %lld B (%s)\n",
+              static_cast<long long>(plain.max_memory_allocated_bytes),
+              static_cast<long long>(plain.max_memory_reserved_bytes),
+              static_cast<long long>(function.max_memory_allocated_bytes),
+              static_cast<long long>(function.max_memory_reserved_bytes), trainmem::to_string(function).c_str());
+  EXPECT_EQ(function.max_memory_allocated_bytes, plain.max_memory_allocated_bytes);
+  EXPECT_EQ(function.max_memory_reserved_bytes, plain.max_memory_reserved_bytes);
+  EXPECT_EQ(function.terms.optimizer_state_bytes, plain.terms.optimizer_state_bytes);
+  EXPECT_EQ(function.terms.workspace_bytes, plain.terms.workspace_bytes);
+  EXPECT_EQ(function.phase == trainmem::Phase::kBackward, plain.phase == trainmem::Phase::kBackward);
+  EXPECT_FALSE(function.phases_split);
+  for (const auto& p : meta->parameters()) EXPECT_FALSE(p.grad().defined());
+  EXPECT_TRUE(opt.state().empty());
 }
 
 TEST(StepFunctionTest, BadArgumentsAreNamed) {

@@ -127,6 +127,11 @@ struct CudaStepPrediction {
   int64_t peak_inactive_split_bytes = 0;  ///< highest free bytes inside split segments
   double fragmentation = 0.0;             ///< 1 - max allocated / max reserved
   Phase phase = Phase::kBackward;         ///< where max_memory_allocated is reached
+  /// True for predict_cuda_step_peak's step, whose phases are known. False
+  /// for a step function (predict_cuda_step_function), whose optimizer steps
+  /// are not told apart: `phase` is then kBackward when the peak is inside a
+  /// backward pass, else kForward (a forward, or an optimizer step).
+  bool phases_split = true;
   CudaPeakTerms terms;                    ///< what is live at that peak
   int64_t num_events = 0;                 ///< allocations and frees of the step
   CudaWorkspaces workspaces;              ///< the workspaces after the step
@@ -155,6 +160,26 @@ TRAINMEM_API CudaStepPrediction predict_cuda_step_peak(
     const std::function<at::Tensor()>& loss_fn,
     torch::optim::Optimizer* optimizer = nullptr,
     const CudaPredictOptions& options = {});
+
+/// predict_step_function()'s step (planner.h: the user's own step function,
+/// any number of forward and backward passes and optimizers) predicted on
+/// CUDA: traced on meta, with CUDA's autocast policy and the CUDA kernels'
+/// workspaces and temporaries, and replayed through the caching-allocator
+/// model after `warmup_steps` steps. The device before the step holds
+/// options.resident(), the modules' parameters and buffers, and what the
+/// warm-up steps left (gradients, optimizer state, cached segments). A
+/// tensor the step makes without a device is a CPU tensor, as it is on the
+/// GPU, and takes no device bytes. `phases_split` is false (see there).
+/// Throws, naming it, as predict_step_function() does.
+///
+/// Example:
+/// ```
+/// auto p = trainmem::predict_cuda_step_function({G.get(), D.get()}, {&opt_g, &opt_d}, gan_step);
+/// p.max_memory_reserved_bytes;
+/// ```
+TRAINMEM_API CudaStepPrediction predict_cuda_step_function(
+    const std::vector<torch::nn::Module*>& modules, const std::vector<torch::optim::Optimizer*>& optimizers,
+    const std::function<void()>& step, const CudaPredictOptions& options = {}, int64_t warmup_steps = 1);
 
 /// Text: max allocated and reserved, the phase, and the terms at the peak.
 TRAINMEM_API std::string to_string(const CudaStepPrediction& prediction);

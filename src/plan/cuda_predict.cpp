@@ -23,6 +23,8 @@
 #include "detail/intercept.h"
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
+#include "core/detail/autocast_on_meta.h"
+#include "detail/backward_on_meta.h"
 #include "detail/optimizer_state.h"
 #include "plan/detail/plan_internal.h"
 #include "trainmem/meta.h"
@@ -92,8 +94,27 @@ class CudaKernelModel final : public detail::InterceptHandler {
 
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
               torch::jit::Stack* stack) override {
+    // Where backward passes begin and end, by event index (a step function's
+    // phases: predict_cuda_step_function).
+    const bool backward = torch::autograd::get_current_graph_task_id() != -1;
+    if (backward != in_backward_) {
+      in_backward_ = backward;
+      backward_marks_.emplace_back(trace_.num_events(), backward);
+    }
     // Note [Meta storages that grow]
     trace_.run_growing(op, stack, [&] { run(scope, op, ks, stack); });
+  }
+
+  // Whether event `index` was made inside a backward pass.
+  bool in_backward_at(size_t index) const {
+    bool in = false;
+    for (const auto& [at, state] : backward_marks_) {
+      if (at > index) {
+        break;
+      }
+      in = state;
+    }
+    return in;
   }
 
   const CudaWorkspaces& workspaces() const { return ws_; }
@@ -216,6 +237,8 @@ class CudaKernelModel final : public detail::InterceptHandler {
   CudaPredictOptions options_;
   CudaWorkspaces ws_;
   TraceObserver& trace_;
+  bool in_backward_ = false;
+  std::vector<std::pair<size_t, bool>> backward_marks_;
 };
 
 void storages_of(const torch::nn::Module& module, std::vector<at::Tensor>& out) {
@@ -485,11 +508,111 @@ CudaStepPrediction predict_cuda_step_peak(
   return r;
 }
 
+CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Module*>& modules,
+                                              const std::vector<torch::optim::Optimizer*>& optimizers,
+                                              const std::function<void()>& step, const CudaPredictOptions& options,
+                                              int64_t warmup_steps) {
+  const char* who = "predict_cuda_step_function";
+  TORCH_CHECK(static_cast<bool>(step), who, ": the step function is empty");
+  TORCH_CHECK(!modules.empty(), who, ": expected at least one module (what the step trains), but got none");
+  TORCH_CHECK(warmup_steps >= 0, who, ": expected warmup_steps >= 0, but got ", warmup_steps);
+  for (size_t i = 0; i < modules.size(); ++i) {
+    TORCH_CHECK(modules[i] != nullptr, who, ": module ", i, " is null");
+    detail::check_on_meta(*modules[i], who);
+  }
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    TORCH_CHECK(optimizers[i] != nullptr, who, ": optimizer ", i, " is null");
+  }
+  TORCH_CHECK(options.cublas_workspace_bytes() >= 0 && options.cublaslt_workspace_bytes() >= 0, who,
+              ": workspace sizes must be >= 0, but got ", options.cublas_workspace_bytes(), " and ",
+              options.cublaslt_workspace_bytes());
+  enable_cpu_meta_kernels();
+  detail::register_intercept_fallback();
+  std::lock_guard<std::mutex> lock(detail::prediction_mutex());
+  detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
+  // Note [Predictions leave no trace]
+  std::vector<std::unique_ptr<detail::StepStateGuard>> untouched;
+  for (auto* m : modules) {
+    untouched.push_back(std::make_unique<detail::StepStateGuard>(*m, nullptr));
+  }
+  std::vector<std::unique_ptr<detail::OptimizerStateAside>> states;
+  for (auto* o : optimizers) {
+    states.push_back(std::make_unique<detail::OptimizerStateAside>(*o));
+  }
+
+  TraceObserver observer;
+  CudaKernelModel kernels(options, options.workspaces(), observer);
+  StepTrace trace;
+  {
+    detail::MetaObserverScope attached(observer);
+    detail::InterceptScope scope(kernels);
+    // The step's own backward passes accumulate as the engine does on the
+    // device, its autocast regions cast with CUDA's policy. A tensor it
+    // makes without a device is a CPU tensor, as on the GPU: no device bytes.
+    detail::BackwardOnMeta backward;
+    detail::AutocastOnMeta autocast(c10::kCUDA);
+    for (int64_t i = 0; i < warmup_steps; ++i) {
+      step();
+    }
+    const size_t begin = observer.num_events();
+    step();
+    const size_t end = observer.num_events();
+    trace.marks = StepMarks{begin, end, end, end};
+    for (const auto* m : modules) {
+      for (const auto& p : m->parameters()) {
+        if (const uint64_t id = observer.id_of(p.grad())) {
+          trace.grad_ids.insert(id);
+        }
+      }
+    }
+  }
+  trace.events = observer.events();
+
+  Replay replay(options.allocator());
+  uint64_t synthetic = 1ULL << 62;
+  for (const auto& t : options.resident()) {
+    replay.apply({detail::storage_bytes(t), synthetic++, Kind::kResident});
+  }
+  std::vector<at::Tensor> storages;
+  for (const auto* m : modules) {
+    storages_of(*m, storages);
+  }
+  std::unordered_set<const c10::StorageImpl*> seen;
+  for (const auto& t : storages) {
+    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) {
+      replay.apply({detail::storage_bytes(t), synthetic++, Kind::kParameter});
+    }
+  }
+  const StepMarks& m = trace.marks;
+  for (size_t i = 0; i < m.begin; ++i) {  // the warm-up steps
+    replay.apply(trace.events[i]);
+  }
+  CudaStepPrediction r;
+  replay.step(trace.events, m, r);
+  const auto st = replay.model.stats();
+  r.max_memory_allocated_bytes = st.peak_allocated_bytes;
+  r.max_memory_reserved_bytes = st.peak_reserved_bytes;
+  r.peak_inactive_split_bytes = st.peak_inactive_split_bytes;
+  r.fragmentation = st.peak_reserved_bytes > 0
+      ? 1.0 - static_cast<double>(st.peak_allocated_bytes) / static_cast<double>(st.peak_reserved_bytes)
+      : 0.0;
+  r.phases_split = false;
+  r.phase = replay.peak_index > m.begin && kernels.in_backward_at(replay.peak_index) ? Phase::kBackward
+                                                                                      : Phase::kForward;
+  r.num_events = static_cast<int64_t>(m.end - m.begin);
+  r.workspaces = kernels.workspaces();
+  r.segments = replay.model.segments();
+  terms_at_peak(trace, replay, r);
+  return r;
+}
+
 std::string to_string(const CudaStepPrediction& p) {
   std::ostringstream os;
   const auto& t = p.terms;
-  os << fmt::format("predicted CUDA max_memory_allocated {:>16} B in the {}\n",
-                    with_commas(p.max_memory_allocated_bytes), phase_name(p.phase));
+  os << fmt::format("predicted CUDA max_memory_allocated {:>16} B {}\n", with_commas(p.max_memory_allocated_bytes),
+                    p.phases_split ? std::string("in the ") + phase_name(p.phase)
+                    : p.phase == Phase::kBackward ? std::string("inside a backward pass")
+                                                  : std::string("outside any backward pass"));
   os << fmt::format("predicted CUDA max_memory_reserved  {:>16} B (fragmentation {:.1f} %)\n",
                     with_commas(p.max_memory_reserved_bytes), 100.0 * p.fragmentation);
   auto line = [&](const char* what, int64_t bytes) {
