@@ -133,8 +133,6 @@ def main():
                      f"| {gb(r['ds_zero2'])} | {gb(r['ds_zero3'])} | {gb(r['korthikanti_act'])} "
                      f"| {gb(r['korthikanti_total'])} |")
     table = "\n".join(lines)
-    with open(args.out + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
     print(table)
     print(f"{len(rows)} predictions in {time.time() - started:.0f} s")
     marker = "<!-- table -->"
