@@ -513,15 +513,9 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
                                               const std::function<void()>& step, const CudaPredictOptions& options,
                                               int64_t warmup_steps) {
   const char* who = "predict_cuda_step_function";
-  TORCH_CHECK(static_cast<bool>(step), who, ": the step function is empty");
-  TORCH_CHECK(!modules.empty(), who, ": expected at least one module (what the step trains), but got none");
-  TORCH_CHECK(warmup_steps >= 0, who, ": expected warmup_steps >= 0, but got ", warmup_steps);
-  for (size_t i = 0; i < modules.size(); ++i) {
-    TORCH_CHECK(modules[i] != nullptr, who, ": module ", i, " is null");
-    detail::check_on_meta(*modules[i], who);
-  }
-  for (size_t i = 0; i < optimizers.size(); ++i) {
-    TORCH_CHECK(optimizers[i] != nullptr, who, ": optimizer ", i, " is null");
+  detail::check_step_function_args(modules, optimizers, step, warmup_steps, who);
+  for (const auto* m : modules) {
+    detail::check_on_meta(*m, who);
   }
   TORCH_CHECK(options.cublas_workspace_bytes() >= 0 && options.cublaslt_workspace_bytes() >= 0, who,
               ": workspace sizes must be >= 0, but got ", options.cublas_workspace_bytes(), " and ",
@@ -530,15 +524,7 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(detail::prediction_mutex());
   detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
-  // Note [Predictions leave no trace]
-  std::vector<std::unique_ptr<detail::StepStateGuard>> untouched;
-  for (auto* m : modules) {
-    untouched.push_back(std::make_unique<detail::StepStateGuard>(*m, nullptr));
-  }
-  std::vector<std::unique_ptr<detail::OptimizerStateAside>> states;
-  for (auto* o : optimizers) {
-    states.push_back(std::make_unique<detail::OptimizerStateAside>(*o));
-  }
+  detail::StepFunctionStateGuard untouched(modules, optimizers);  // Note [Predictions leave no trace]
 
   TraceObserver observer;
   CudaKernelModel kernels(options, options.workspaces(), observer);

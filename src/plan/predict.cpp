@@ -526,20 +526,6 @@ StepPeak measure_step_peak(
 
 namespace {
 
-void check_step_args(const std::vector<torch::nn::Module*>& modules,
-                     const std::vector<torch::optim::Optimizer*>& optimizers, const std::function<void()>& step,
-                     int64_t warmup_steps, const char* who) {
-  TORCH_CHECK(static_cast<bool>(step), who, ": the step function is empty");
-  TORCH_CHECK(!modules.empty(), who, ": expected at least one module (what the step trains), but got none");
-  TORCH_CHECK(warmup_steps >= 0, who, ": expected warmup_steps >= 0, but got ", warmup_steps);
-  for (size_t i = 0; i < modules.size(); ++i) {
-    TORCH_CHECK(modules[i] != nullptr, who, ": module ", i, " is null");
-  }
-  for (size_t i = 0; i < optimizers.size(); ++i) {
-    TORCH_CHECK(optimizers[i] != nullptr, who, ": optimizer ", i, " is null");
-  }
-}
-
 // What the modules and optimizers hold now, each storage once.
 StepFunctionPeak resident(const std::vector<torch::nn::Module*>& modules,
                           const std::vector<torch::optim::Optimizer*>& optimizers) {
@@ -572,20 +558,6 @@ StepFunctionPeak resident(const std::vector<torch::nn::Module*>& modules,
   return r;
 }
 
-// Note [Predictions leave no trace], for several modules and optimizers.
-struct StepFunctionStateGuard {
-  StepFunctionStateGuard(const std::vector<torch::nn::Module*>& modules,
-                         const std::vector<torch::optim::Optimizer*>& optimizers) {
-    for (auto* m : modules) {
-      modules_.push_back(std::make_unique<detail::StepStateGuard>(*m, nullptr));
-    }
-    for (auto* o : optimizers) {
-      states_.push_back(std::make_unique<detail::OptimizerStateAside>(*o));
-    }
-  }
-  std::vector<std::unique_ptr<detail::StepStateGuard>> modules_;
-  std::vector<std::unique_ptr<detail::OptimizerStateAside>> states_;
-};
 
 // Runs the warm-up steps, then the measured one between `begin` (which
 // returns the live bytes at the start and opens a peak window) and `end`
@@ -612,13 +584,13 @@ StepFunctionPeak run_step_function(const std::vector<torch::nn::Module*>& module
 StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& modules,
                                        const std::vector<torch::optim::Optimizer*>& optimizers,
                                        const std::function<void()>& step, int64_t warmup_steps) {
-  check_step_args(modules, optimizers, step, warmup_steps, "predict_step_function");
+  detail::check_step_function_args(modules, optimizers, step, warmup_steps, "predict_step_function");
   for (const auto* m : modules) {
     check_on_meta(*m, "predict_step_function");
   }
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
-  StepFunctionStateGuard untouched(modules, optimizers);
+  detail::StepFunctionStateGuard untouched(modules, optimizers);
   auto& meta = MetaAllocator::get();
   CountingObserver counter;
   detail::MetaObserverScope attached(counter);
@@ -649,7 +621,7 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
 StepFunctionPeak measure_step_function(const std::vector<torch::nn::Module*>& modules,
                                        const std::vector<torch::optim::Optimizer*>& optimizers,
                                        const std::function<void()>& step, int64_t warmup_steps) {
-  check_step_args(modules, optimizers, step, warmup_steps, "measure_step_function");
+  detail::check_step_function_args(modules, optimizers, step, warmup_steps, "measure_step_function");
   TORCH_CHECK(CpuMemoryTracker::installed(),
               "measure_step_function: install the CpuMemoryTracker first (CpuMemoryTracker::install())");
   auto& tracker = CpuMemoryTracker::install();

@@ -99,6 +99,30 @@ at::Tensor run_meta_step(torch::nn::Module& module, const std::function<at::Tens
   return run_steps(module, loss_fn, optimizer, options, mark);
 }
 
+void check_step_function_args(const std::vector<torch::nn::Module*>& modules,
+                     const std::vector<torch::optim::Optimizer*>& optimizers, const std::function<void()>& step,
+                     int64_t warmup_steps, const char* who) {
+  TORCH_CHECK(static_cast<bool>(step), who, ": the step function is empty");
+  TORCH_CHECK(!modules.empty(), who, ": expected at least one module (what the step trains), but got none");
+  TORCH_CHECK(warmup_steps >= 0, who, ": expected warmup_steps >= 0, but got ", warmup_steps);
+  for (size_t i = 0; i < modules.size(); ++i) {
+    TORCH_CHECK(modules[i] != nullptr, who, ": module ", i, " is null");
+  }
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    TORCH_CHECK(optimizers[i] != nullptr, who, ": optimizer ", i, " is null");
+  }
+}
+
+StepFunctionStateGuard::StepFunctionStateGuard(const std::vector<torch::nn::Module*>& modules,
+                                               const std::vector<torch::optim::Optimizer*>& optimizers) {
+  for (auto* m : modules) {
+    modules_.push_back(std::make_unique<StepStateGuard>(*m, nullptr));
+  }
+  for (auto* o : optimizers) {
+    states_.push_back(std::make_unique<OptimizerStateAside>(*o));
+  }
+}
+
 // Note [Checkpoint RNG copies on meta] in meta_step.h.
 std::shared_ptr<void> MetaRngCopies::hold(RngCopy copy, int64_t bytes) {
   if (!(copy == RngCopy::kStash ? stash_ : fork_)) {

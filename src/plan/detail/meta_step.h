@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
@@ -13,6 +14,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "core/detail/checkpoint_state.h"
+#include "detail/optimizer_state.h"
 
 namespace trainmem::detail {
 
@@ -56,6 +58,23 @@ at::Tensor run_steps(torch::nn::Module& module, const std::function<at::Tensor()
 // predict_step_peak and predict_cuda_step_peak.
 at::Tensor run_meta_step(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
                          torch::optim::Optimizer* optimizer, StepOptions options, const StepMark& mark);
+
+// A step function's arguments checked (predict_step_function,
+// measure_step_function, predict_cuda_step_function): throws naming `who` and
+// the bad value for an empty step, no module, a null module or optimizer, or
+// warmup_steps < 0.
+void check_step_function_args(const std::vector<torch::nn::Module*>& modules,
+                              const std::vector<torch::optim::Optimizer*>& optimizers,
+                              const std::function<void()>& step, int64_t warmup_steps, const char* who);
+
+// Note [Predictions leave no trace], for a step function's modules and
+// optimizers: each module's gradients and buffers, each optimizer's state.
+struct StepFunctionStateGuard {
+  StepFunctionStateGuard(const std::vector<torch::nn::Module*>& modules,
+                         const std::vector<torch::optim::Optimizer*>& optimizers);
+  std::vector<std::unique_ptr<StepStateGuard>> modules_;
+  std::vector<std::unique_ptr<OptimizerStateAside>> states_;
+};
 
 // Note [Checkpoint RNG copies on meta]
 // A checkpoint that preserves RNG state keeps CPU copies of generator states
