@@ -25,7 +25,8 @@ transformers' parameters and saved bytes (the ctest
 hf.saved_bytes_match_transformers).
 
 With --precision bf16-autocast (after --check, or anywhere in the first
-form) the forward runs under torch.autocast("cpu", torch.bfloat16); with
+form) the forward runs under torch.autocast("cpu", torch.bfloat16) (with
+fp16-autocast, torch.float16); with
 --precision bf16 the model is cast to torch.bfloat16 first (as
 from_pretrained(torch_dtype=torch.bfloat16)). The command is given the same
 flag: its saved bytes come from the CPU kernels (and CPU autocast's casts)
@@ -118,6 +119,8 @@ def autocast(precision):
         return contextlib.nullcontext()
     if precision == "bf16-autocast":
         return torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "fp16-autocast":
+        return torch.autocast("cpu", dtype=torch.float16)
     raise SystemExit(f"unknown --precision {precision}")
 
 

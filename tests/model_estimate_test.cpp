@@ -14,6 +14,7 @@
 
 #include "trainmem/allocator.h"
 #include "trainmem/block_checkpointing.h"
+#include "trainmem/grad_scaler.h"
 #include "trainmem/models/lora.h"
 #include "trainmem/planner.h"
 
@@ -117,6 +118,45 @@ TEST(ModelEstimateTest, EveryOptionEqualsTheCpuStep) {
     EXPECT_EQ(e.step_peak.param_bytes, cpu.param_bytes) << c.config << ", " << c.what;
     EXPECT_EQ(e.step_peak.optimizer_state_bytes, cpu.optimizer_state_bytes) << c.config << ", " << c.what;
     EXPECT_EQ(e.step_peak.peak_bytes, cpu.peak_bytes) << c.config << ", " << c.what;
+  }
+}
+
+// fp16 autocast with a GradScaler, predicted as a step function (Note [fp16
+// autocast as a step function]): the same step run on CPU with a real
+// GradScaler, measured by measure_step_function, to the byte.
+TEST(ModelEstimateTest, Fp16AutocastWithAGradScalerEqualsTheCpuStep) {
+  trainmem::CpuMemoryTracker::install();
+  for (const char* name : {"tiny_llama.json", "tiny_gpt2.json"}) {
+    for (const bool full : {false, true}) {
+      const auto config = trainmem::load_hf_config(data(name));
+      const auto o = trainmem::ModelEstimateOptions().batch(2).seq_len(24).precision(
+          trainmem::Precision::kFp16Autocast).checkpoint(full ? "full" : "none");
+      const auto e = trainmem::estimate_model(config, o);
+      torch::manual_seed(0);
+      auto model = trainmem::build_model(config, o);
+      torch::optim::AdamW opt(model.module->parameters(), torch::optim::AdamWOptions(1e-3));
+      trainmem::GradScaler scaler;
+      const auto plan = trainmem::BlockCheckpointing::named(config.num_layers, o.checkpoint());
+      const auto measured = trainmem::measure_step_function({model.module.get()}, {&opt}, [&] {
+        for (auto& p : model.module->parameters()) p.mutable_grad().reset();
+        // The batch made inside the loss, as estimate_model's is: it is gone
+        // with the graph, before the optimizer step.
+        const auto loss = trainmem::run_under_autocast(at::kCPU, at::kHalf, [&] {
+          const auto tokens = torch::randint(config.vocab_size, {o.batch(), o.seq_len()});
+          return full ? model.loss(tokens, plan) : model.loss(tokens);
+        });
+        scaler.scale(loss).backward();
+        scaler.unscale_(opt);
+        scaler.step(opt);
+        scaler.update();
+      });
+      std::printf("%s fp16-autocast, checkpointing %s: predicted %lld B, measured %lld B\n", name,
+                  o.checkpoint().c_str(), static_cast<long long>(e.step_peak.peak_bytes),
+                  static_cast<long long>(measured.peak_bytes));
+      EXPECT_FALSE(e.step_phases_split);
+      EXPECT_EQ(e.step_peak.optimizer_state_bytes, measured.optimizer_state_bytes) << name;
+      EXPECT_EQ(e.step_peak.peak_bytes, measured.peak_bytes) << name << " " << o.checkpoint();
+    }
   }
 }
 

@@ -10,6 +10,7 @@
 
 #include "trainmem/block_checkpointing.h"
 #include "trainmem/format.h"
+#include "trainmem/grad_scaler.h"
 #include "trainmem/meta.h"
 
 namespace trainmem {
@@ -78,9 +79,58 @@ std::string precision_assumption(Precision p, bool cuda) {
       return "precision bf16: the model held in bf16, its gradients and AdamW state too; the loss in fp32 "
              "(the logits upcast, as transformers' ForCausalLMLoss)";
     case Precision::kFp16Autocast:
-      break;
+      return fmt::format("precision fp16-autocast: fp32 parameters, gradients and AdamW state; the forward under "
+                         "LibTorch's autocast in fp16, the CPU's policy for the CPU figures{}; the loss scaled by "
+                         "trainmem's GradScaler (its step taken; the step predicted as a function, its phases not "
+                         "split: Note [fp16 autocast as a step function])",
+                         cuda ? ", CUDA's for the CUDA ones" : "");
   }
   return "";
+}
+
+// Note [fp16 autocast as a step function]
+// fp16 autocast needs a GradScaler: the loss scaled before backward, the
+// gradients unscaled and checked for inf/NaN, the step taken or skipped, the
+// scale updated. That is not predict_step_peak's zero_grad, forward,
+// backward, step, so the step is predicted as the user writes it
+// (predict_step_function, predict_cuda_step_function), with trainmem's
+// GradScaler, whose step is taken on meta (no gradient holds an inf there).
+// Its peak is the step's; the phases are not split (forward, backward and
+// optimizer peaks stay 0), and the scaler's own 8 B (scale and growth
+// tracker) are not in the start, as they are no module's or optimizer's.
+template <typename LossOn>
+void predict_fp16_steps(ModelEstimate& e, const HfModel& model, const std::vector<at::Tensor>& trainable,
+                        const LossOn& loss_on) {
+  const auto step_on = [&](c10::DeviceType device, torch::optim::Optimizer& opt, GradScaler& scaler) {
+    return [&, device] {
+      for (auto& p : model.module->parameters()) {
+        p.mutable_grad().reset();
+      }
+      const at::Tensor loss = loss_on(device)();
+      scaler.scale(loss).backward();
+      scaler.unscale_(opt);
+      scaler.step(opt);
+      scaler.update();
+    };
+  };
+  {
+    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
+    GradScaler scaler;
+    const auto f = predict_step_function({model.module.get()}, {&opt}, step_on(c10::kCPU, opt, scaler));
+    e.step_phases_split = false;
+    e.step_peak = StepPeak();
+    e.step_peak.peak_bytes = f.peak_bytes;
+    e.step_peak.param_bytes = f.param_bytes;
+    e.step_peak.buffer_bytes = f.buffer_bytes;
+    e.step_peak.optimizer_state_bytes = f.optimizer_state_bytes;
+    e.step_peak.activation_bytes = e.saved_bytes;
+  }
+  if (e.options.cuda()) {
+    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
+    GradScaler scaler;
+    e.cuda = predict_cuda_step_function({model.module.get()}, {&opt}, step_on(c10::kCUDA, opt, scaler),
+                                        *e.options.cuda());
+  }
 }
 
 } // namespace
@@ -130,9 +180,6 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
               o.batch(), " seq_len ", o.seq_len());
   TORCH_CHECK(o.seq_len() <= config.max_positions, "estimate_model: expected seq_len at most ", config.max_positions,
               " (the positions of ", config.source, "), but got ", o.seq_len());
-  TORCH_CHECK(o.precision() != Precision::kFp16Autocast,
-              "estimate_model: precision fp16-autocast is not predicted: its GradScaler reads found_inf on the "
-              "host each step (.item()), which a step on meta cannot; predict bf16-autocast, bf16 or fp32");
   TORCH_CHECK(o.ranks() >= 1, "estimate_model: expected ranks >= 1, but got ", o.ranks());
   TORCH_CHECK(o.zero() >= 0 && o.zero() <= 3, "estimate_model: expected ZeRO stage 0, 1, 2 or 3, but got ", o.zero());
   const auto plan = BlockCheckpointing::named(config.num_layers, o.checkpoint());  // throws naming a bad name
@@ -165,22 +212,27 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
     e.recipes.push_back(shard_static_bytes(predict_static_bytes(*model.module, r), sharding));
   }
 
-  const bool amp = o.precision() == Precision::kBf16Autocast;
+  const bool fp16 = o.precision() == Precision::kFp16Autocast;
+  const bool amp = o.precision() == Precision::kBf16Autocast || fp16;
   const auto loss_on = [&](c10::DeviceType device) {
     return [&, device] {
       const auto tokens = at::empty({o.batch(), o.seq_len()}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
       const auto loss = [&] { return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan); };
-      return amp ? run_under_autocast(device, at::kBFloat16, loss) : loss();
+      return amp ? run_under_autocast(device, fp16 ? at::kHalf : at::kBFloat16, loss) : loss();
     };
   };
   e.saved_bytes = predict_saved_activations(*model.module, loss_on(at::kCPU)).saved_bytes;
-  {
-    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
-    e.step_peak = predict_step_peak(*model.module, loss_on(at::kCPU), &opt);
-  }
-  if (o.cuda()) {
-    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));  // fresh: it runs its own two steps
-    e.cuda = predict_cuda_step_peak(*model.module, loss_on(at::kCUDA), &opt, *o.cuda());
+  if (fp16) {
+    predict_fp16_steps(e, model, trainable, loss_on);
+  } else {
+    {
+      torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
+      e.step_peak = predict_step_peak(*model.module, loss_on(at::kCPU), &opt);
+    }
+    if (o.cuda()) {
+      torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));  // fresh: it runs its own two steps
+      e.cuda = predict_cuda_step_peak(*model.module, loss_on(at::kCUDA), &opt, *o.cuda());
+    }
   }
 
   auto& a = e.assumptions;

@@ -104,11 +104,12 @@ std::vector<std::string> split_targets(const std::string& list) {
   return out;
 }
 
-// --precision with --model: the three a meta step predicts.
-Precision model_precision(const std::string& precision) {
-  if (precision == "fp16-autocast") {
-    throw UsageError("--precision fp16-autocast with --model: its GradScaler reads found_inf on the host each step "
-                     "(.item()), which a step on meta cannot; drop --precision or use bf16-autocast, bf16 or fp32");
+// --precision with --model (fp16 autocast for estimate only: the planner's
+// regions have no GradScaler).
+Precision model_precision(const std::string& precision, bool allow_fp16) {
+  if (precision == "fp16-autocast" && !allow_fp16) {
+    throw UsageError("--precision fp16-autocast with plan --model: the planner's regions run no GradScaler; drop "
+                     "--precision or use bf16-autocast, bf16 or fp32 (estimate --model predicts fp16-autocast)");
   }
   try {
     return parse_precision(precision);
@@ -125,7 +126,7 @@ ModelEstimateOptions estimate_options(const ModelFileFlags& f, int64_t batch, in
   if (f.zero < 0 || f.zero > 3) {
     throw UsageError("expected --zero 0, 1, 2 or 3, but got " + std::to_string(f.zero));
   }
-  auto o = model_options(batch, seq_len, precision, f.lora).ranks(f.ranks).zero(f.zero);
+  auto o = model_options(batch, seq_len, precision, f.lora, /*allow_fp16=*/true).ranks(f.ranks).zero(f.zero);
   o.checkpoint(f.checkpoint);
   if (cuda != nullptr) {
     o.cuda(*cuda);
@@ -136,8 +137,8 @@ ModelEstimateOptions estimate_options(const ModelFileFlags& f, int64_t batch, in
 } // namespace
 
 ModelEstimateOptions model_options(int64_t batch, int64_t seq_len, const std::string& precision,
-                                   const LoraFlags& lora) {
-  auto o = ModelEstimateOptions().batch(batch).seq_len(seq_len).precision(model_precision(precision));
+                                   const LoraFlags& lora, bool allow_fp16) {
+  auto o = ModelEstimateOptions().batch(batch).seq_len(seq_len).precision(model_precision(precision, allow_fp16));
   if (lora.rank > 0) {
     if (lora.targets.empty()) {
       throw UsageError(fmt::format("--lora-rank {}: name the layers to adapt with --lora-targets, such as "
@@ -210,7 +211,8 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                       {"activation_bytes", peak.activation_bytes},
                       {"forward_peak_bytes", peak.forward_peak_bytes},
                       {"backward_peak_bytes", peak.backward_peak_bytes},
-                      {"optimizer_peak_bytes", peak.optimizer_peak_bytes}};
+                      {"optimizer_peak_bytes", peak.optimizer_peak_bytes},
+                      {"phases_split", e.step_phases_split}};
     if (e.cuda) {
       j["cuda"] = {{"device", device},
                    {"max_memory_allocated_bytes", e.cuda->max_memory_allocated_bytes},
@@ -239,11 +241,16 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                      precision, options.checkpoint(), options.lora() ? ", LoRA" : "");
   out += fmt::format("  {:<26} {:>20} B  {:>10}  (exact on meta)\n", "saved for backward",
                      with_commas(e.saved_bytes), human_bytes(e.saved_bytes));
-  out += fmt::format("step peak, {} AdamW, one rank {:>20} B  {:>10}  in the {} (forward {} B, backward {} B, "
-                     "optimizer step {} B)\n",
-                     precision, with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
-                     with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
-                     with_commas(peak.optimizer_peak_bytes));
+  if (e.step_phases_split) {
+    out += fmt::format("step peak, {} AdamW, one rank {:>20} B  {:>10}  in the {} (forward {} B, backward {} B, "
+                       "optimizer step {} B)\n",
+                       precision, with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes), to_string(peak.phase),
+                       with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
+                       with_commas(peak.optimizer_peak_bytes));
+  } else {
+    out += fmt::format("step peak, {} AdamW, one rank {:>20} B  {:>10}  (the step as a function: phases not split)\n",
+                       precision, with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes));
+  }
   if (e.cuda) {
     out += fmt::format("on {} (the same step replayed through the CUDA caching-allocator model, {} AdamW, one "
                        "rank):\n",

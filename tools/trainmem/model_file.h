@@ -23,10 +23,10 @@ struct LoraFlags {
 void add_lora_flags(CLI::App& sub, LoraFlags& flags);
 
 /// estimate_model()'s options for a micro-batch, a --precision (fp16-autocast
-/// refused: a meta step cannot read its GradScaler's found_inf) and the LoRA
-/// flags. Throws UsageError naming a bad value.
+/// only with `allow_fp16`: the planner's regions run no GradScaler) and the
+/// LoRA flags. Throws UsageError naming a bad value.
 ModelEstimateOptions model_options(int64_t batch, int64_t seq_len, const std::string& precision,
-                                   const LoraFlags& lora);
+                                   const LoraFlags& lora, bool allow_fp16 = false);
 
 struct ModelFileFlags {
   std::string path;   ///< --model: the config.json

@@ -66,8 +66,9 @@ TRAINMEM_API at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarTyp
 struct ModelEstimateOptions {
   TORCH_ARG(int64_t, batch) = 1;       ///< sequences in the micro-batch
   TORCH_ARG(int64_t, seq_len) = 2048;  ///< tokens per sequence (at most the config's positions)
-  /// fp32, bf16 autocast or a model held in bf16 (fp16 autocast is refused:
-  /// its GradScaler reads found_inf on the host, which a meta step cannot).
+  /// fp32, bf16 autocast, a model held in bf16, or fp16 autocast with
+  /// trainmem's GradScaler (its step taken; Note [fp16 autocast as a step
+  /// function]).
   TORCH_ARG(Precision, precision) = Precision::kFp32;
   /// Activation checkpointing of the decoder blocks, as
   /// BlockCheckpointing::named() takes it: "none", "full", "every_<k>" or
@@ -100,8 +101,10 @@ struct ModelEstimate {
   /// each storage once, parameters excluded (predict_saved_activations()).
   int64_t saved_bytes = 0;
   /// One AdamW step on the CPU's kernels, one rank, unsharded
-  /// (predict_step_peak()).
+  /// (predict_step_peak(); for fp16 autocast predict_step_function(), whose
+  /// phases are not split: step_phases_split false, the phase peaks 0).
   StepPeak step_peak;
+  bool step_phases_split = true;
   /// The same step on CUDA, when options.cuda was given.
   std::optional<CudaStepPrediction> cuda;
   /// One line per assumption every figure above makes: model and micro-batch,
@@ -133,8 +136,7 @@ TRAINMEM_API RegionModel model_regions(const HfModel& model, const ModelEstimate
 /// ForCausalLMLoss upcasts the logits) and keeps its AdamW state in bf16
 /// (LoRA adapters in fp32, as PEFT makes them).
 /// Throws c10::Error naming the value for a batch or length below 1, a length
-/// past the config's positions, an unknown checkpointing name, fp16
-/// autocast, ranks below 1, a ZeRO stage outside 0-3, or bad LoRA options
+/// past the config's positions, an unknown checkpointing name, ranks below 1, a ZeRO stage outside 0-3, or bad LoRA options
 /// (apply_lora()).
 TRAINMEM_API ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions& options);
 
