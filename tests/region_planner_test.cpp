@@ -254,3 +254,47 @@ TEST(RegionPlannerTest, RegionsFromContainersAndHolders) {
 }
 
 } // namespace
+
+namespace {
+
+// A block whose module holds a head no loss reaches (as a U-Net's unused
+// encoder head): Note [Parameters no gradient reaches].
+struct BlockWithAnUnusedHeadImpl : torch::nn::Module {
+  BlockWithAnUnusedHeadImpl() {
+    fc = register_module("fc", torch::nn::Linear(64, 64));
+    unused = register_module("unused", torch::nn::Linear(64, 1000));
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::relu(fc->forward(x)) + x; }
+  torch::nn::Linear fc{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(BlockWithAnUnusedHead);
+
+} // namespace
+
+// The planner counts no gradient and no AdamW state for parameters no loss
+// reaches: its peak equals the step run on CPU (it counted 2 x 260,000 B of
+// state and 260,000 B of gradient for the unused heads before).
+TEST(RegionPlannerTest, ParametersNoGradientReachesCountNothing) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int i = 0; i < 3; ++i) net->push_back(BlockWithAnUnusedHead());
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-3));
+  RegionModel m;
+  m.regions = trainmem::regions_of(net);
+  m.input = [](c10::Device device) { return at::zeros({256, 64}, at::TensorOptions().device(device)); };
+  m.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
+  m.optimizer = &opt;
+  const auto plan = trainmem::plan_regions(m);
+  const int64_t used = 3 * (64 * 64 + 64) * 4;
+  EXPECT_EQ(plan.grad_bytes, used);
+  const auto checkpointing = plan.checkpointing();
+  auto step = [&] { return m.loss(trainmem::run_regions(m.regions, m.input(at::kCPU), checkpointing)); };
+  trainmem::measure_step_peak(*net, step, &opt);
+  const auto measured = trainmem::measure_step_peak(*net, step, &opt);
+  std::printf("unused heads: planned %lld B, measured %lld B, state %lld B\n",
+              static_cast<long long>(plan.predicted_peak_bytes), static_cast<long long>(measured.peak_bytes),
+              static_cast<long long>(measured.optimizer_state_bytes));
+  EXPECT_EQ(measured.optimizer_state_bytes, 2 * used);
+  EXPECT_EQ(plan.predicted_peak_bytes, measured.peak_bytes);
+}
