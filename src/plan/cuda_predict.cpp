@@ -263,6 +263,12 @@ struct StepMarks {
   size_t end = 0;            // one past the step's last event
 };
 
+void check_workspaces(const CudaPredictOptions& options, const char* who) {
+  TORCH_CHECK(options.cublas_workspace_bytes() >= 0 && options.cublaslt_workspace_bytes() >= 0, who,
+              ": workspace sizes must be >= 0, but got ", options.cublas_workspace_bytes(), " and ",
+              options.cublaslt_workspace_bytes());
+}
+
 void check_arguments(const torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
                      const CudaPredictOptions& options) {
   TORCH_CHECK(static_cast<bool>(loss_fn), "predict_cuda_step_peak: the loss function is empty");
@@ -271,9 +277,7 @@ void check_arguments(const torch::nn::Module& module, const std::function<at::Te
     TORCH_CHECK(t.defined() && t.is_meta(), "predict_cuda_step_peak: resident tensors must be meta tensors, but got ",
                 t.defined() ? t.device().str() : std::string("an undefined tensor"));
   }
-  TORCH_CHECK(options.cublas_workspace_bytes() >= 0 && options.cublaslt_workspace_bytes() >= 0,
-              "predict_cuda_step_peak: workspace sizes must be >= 0, but got ", options.cublas_workspace_bytes(),
-              " and ", options.cublaslt_workspace_bytes());
+  check_workspaces(options, "predict_cuda_step_peak");
 }
 
 // The traced step(s): every allocation and free on meta, in order, the
@@ -321,18 +325,24 @@ void trace_steps(torch::nn::Module& module, const std::function<at::Tensor()>& l
   t.events = trace.events();
 }
 
-// The device before the step: resident tensors, then the module's storages,
-// then the workspaces that already exist.
-std::vector<TraceEvent> device_before(const torch::nn::Module& module, const CudaPredictOptions& options) {
+// The device before the step: resident tensors, then the modules' storages
+// (each once), then the workspaces that already exist.
+std::vector<TraceEvent> device_before(const std::vector<const torch::nn::Module*>& modules,
+                                      const CudaPredictOptions& options) {
   std::vector<TraceEvent> before;
   uint64_t synthetic = 1ULL << 62;
   for (const auto& t : options.resident()) {
     before.push_back({detail::storage_bytes(t), synthetic++, Kind::kResident});
   }
   std::vector<at::Tensor> storages;
-  storages_of(module, storages);
+  for (const auto* m : modules) {
+    storages_of(*m, storages);
+  }
+  std::unordered_set<const c10::StorageImpl*> seen;  // a module shared by two counts once
   for (const auto& t : storages) {
-    before.push_back({detail::storage_bytes(t), synthetic++, Kind::kParameter});
+    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) {
+      before.push_back({detail::storage_bytes(t), synthetic++, Kind::kParameter});
+    }
   }
   const auto& w = options.workspaces();
   for (bool made : {w.cublas_forward, w.cublas_backward}) {
@@ -427,6 +437,29 @@ class Replay {
   std::unordered_map<uint64_t, Live> live_at_peak;
 };
 
+// The device before the step, the warm-up steps, then the step, replayed on
+// the allocator model; the peaks and segments into `r`.
+void replay_trace(Replay& replay, const StepTrace& trace, const std::vector<TraceEvent>& before,
+                  CudaStepPrediction& r) {
+  for (const auto& e : before) {
+    replay.apply(e);
+  }
+  const StepMarks& m = trace.marks;
+  for (size_t i = 0; i < m.begin; ++i) {  // the warm-up step(s)
+    replay.apply(trace.events[i]);
+  }
+  replay.step(trace.events, m, r);
+  const auto s = replay.model.stats();
+  r.max_memory_allocated_bytes = s.peak_allocated_bytes;
+  r.max_memory_reserved_bytes = s.peak_reserved_bytes;
+  r.peak_inactive_split_bytes = s.peak_inactive_split_bytes;
+  r.fragmentation = s.peak_reserved_bytes > 0
+      ? 1.0 - static_cast<double>(s.peak_allocated_bytes) / static_cast<double>(s.peak_reserved_bytes)
+      : 0.0;
+  r.num_events = static_cast<int64_t>(m.end - m.begin);
+  r.segments = replay.model.segments();
+}
+
 // Terms at the peak. Optimizer state: blocks of the warm-up step still live
 // at the end (with an optimizer; else none).
 void terms_at_peak(const StepTrace& trace, const Replay& replay, CudaStepPrediction& r) {
@@ -478,32 +511,17 @@ CudaStepPrediction predict_cuda_step_peak(
   trace_steps(module, loss_fn, optimizer, options, kernels, observer, trace);
 
   Replay replay(options.allocator());
-  for (const auto& e : device_before(module, options)) {
-    replay.apply(e);
-  }
-  const StepMarks& m = trace.marks;
-  for (size_t i = 0; i < m.begin; ++i) {  // the warm-up step
-    replay.apply(trace.events[i]);
-  }
   CudaStepPrediction r;
-  replay.step(trace.events, m, r);
+  replay_trace(replay, trace, device_before({&module}, options), r);
   trace.forward_output = at::Tensor();
-  const auto s = replay.model.stats();
-  r.max_memory_allocated_bytes = s.peak_allocated_bytes;
-  r.max_memory_reserved_bytes = s.peak_reserved_bytes;
-  r.peak_inactive_split_bytes = s.peak_inactive_split_bytes;
-  r.fragmentation = s.peak_reserved_bytes > 0
-      ? 1.0 - static_cast<double>(s.peak_allocated_bytes) / static_cast<double>(s.peak_reserved_bytes)
-      : 0.0;
+  const StepMarks& m = trace.marks;
   r.phase = replay.peak_index < m.backward ? Phase::kForward
       : replay.peak_index < m.optimizer    ? Phase::kBackward
                                            : Phase::kOptimizerStep;
   if (replay.peak_index == m.begin && replay.peak == r.start_allocated_bytes) {
     r.phase = Phase::kForward;
   }
-  r.num_events = static_cast<int64_t>(m.end - m.begin);
   r.workspaces = kernels.workspaces();
-  r.segments = replay.model.segments();
   terms_at_peak(trace, replay, r);
   return r;
 }
@@ -517,9 +535,7 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   for (const auto* m : modules) {
     detail::check_on_meta(*m, who);
   }
-  TORCH_CHECK(options.cublas_workspace_bytes() >= 0 && options.cublaslt_workspace_bytes() >= 0, who,
-              ": workspace sizes must be >= 0, but got ", options.cublas_workspace_bytes(), " and ",
-              options.cublaslt_workspace_bytes());
+  check_workspaces(options, who);
   enable_cpu_meta_kernels();
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(detail::prediction_mutex());
@@ -555,39 +571,14 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   trace.events = observer.events();
 
   Replay replay(options.allocator());
-  uint64_t synthetic = 1ULL << 62;
-  for (const auto& t : options.resident()) {
-    replay.apply({detail::storage_bytes(t), synthetic++, Kind::kResident});
-  }
-  std::vector<at::Tensor> storages;
-  for (const auto* m : modules) {
-    storages_of(*m, storages);
-  }
-  std::unordered_set<const c10::StorageImpl*> seen;
-  for (const auto& t : storages) {
-    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) {
-      replay.apply({detail::storage_bytes(t), synthetic++, Kind::kParameter});
-    }
-  }
-  const StepMarks& m = trace.marks;
-  for (size_t i = 0; i < m.begin; ++i) {  // the warm-up steps
-    replay.apply(trace.events[i]);
-  }
   CudaStepPrediction r;
-  replay.step(trace.events, m, r);
-  const auto st = replay.model.stats();
-  r.max_memory_allocated_bytes = st.peak_allocated_bytes;
-  r.max_memory_reserved_bytes = st.peak_reserved_bytes;
-  r.peak_inactive_split_bytes = st.peak_inactive_split_bytes;
-  r.fragmentation = st.peak_reserved_bytes > 0
-      ? 1.0 - static_cast<double>(st.peak_allocated_bytes) / static_cast<double>(st.peak_reserved_bytes)
-      : 0.0;
+  const std::vector<const torch::nn::Module*> trained(modules.begin(), modules.end());
+  replay_trace(replay, trace, device_before(trained, options), r);
+  const StepMarks& m = trace.marks;
   r.phases_split = false;
   r.phase = replay.peak_index > m.begin && kernels.in_backward_at(replay.peak_index) ? Phase::kBackward
                                                                                       : Phase::kForward;
-  r.num_events = static_cast<int64_t>(m.end - m.begin);
   r.workspaces = kernels.workspaces();
-  r.segments = replay.model.segments();
   terms_at_peak(trace, replay, r);
   return r;
 }

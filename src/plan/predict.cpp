@@ -251,6 +251,22 @@ class CpuKernelModel final : public detail::InterceptHandler {
   const detail::MetaObserver& counter_;
 };
 
+// What predict_step_peak and predict_step_function count a meta step under:
+// the meta allocator's counter, and what a CPU run allocates besides the meta
+// kernels' outputs: the CPU kernels' scratch and the matmuls' operand copies
+// (CpuKernelModel; Note [CPU matmul operand copies on meta]) and the
+// checkpoints' CPU RNG stashes and recompute fork copies (Note [Checkpoint
+// RNG copies on meta]). Members are made in order and ended in reverse.
+struct CpuStepCount {
+  CountingObserver counter;
+  detail::MetaObserverScope attached{counter};
+  CpuKernelModel kernels{counter};
+  bool registered = (detail::register_intercept_fallback(), true);
+  detail::InterceptScope kernel_scope{kernels};
+  detail::MetaRngCopies copies{/*stash=*/true, /*fork=*/true};
+  detail::RngCopyObserverGuard copies_scope{&copies};
+};
+
 // Counts each parameter's gradient once, when AccumulateGrad has written it.
 class GradWatch {
  public:
@@ -460,18 +476,9 @@ StepPeak predict_step_peak(
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
-  // What a CPU run allocates besides the meta kernels' outputs: the CPU
-  // matmuls' operand copies (Note [CPU matmul operand copies on meta]) and
-  // the checkpoints' CPU RNG stashes and recompute fork copies (Note
-  // [Checkpoint RNG copies on meta]).
   auto& meta = MetaAllocator::get();
-  CountingObserver counter;
-  detail::MetaObserverScope attached(counter);
-  CpuKernelModel kernels(counter);
-  detail::register_intercept_fallback();
-  detail::InterceptScope kernel_scope(kernels);
-  detail::MetaRngCopies copies(/*stash=*/true, /*fork=*/true);
-  detail::RngCopyObserverGuard copies_scope(&copies);
+  CpuStepCount count;
+  CountingObserver& counter = count.counter;
   std::optional<GradWatch> watch;
   PhasePeaks phases(
       module, optimizer, [&] { return meta.live_bytes(); }, [&] { counter.open_window(); },
@@ -592,13 +599,8 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
   std::lock_guard<std::mutex> lock(prediction_mutex());
   detail::StepFunctionStateGuard untouched(modules, optimizers);
   auto& meta = MetaAllocator::get();
-  CountingObserver counter;
-  detail::MetaObserverScope attached(counter);
-  CpuKernelModel kernels(counter);
-  detail::register_intercept_fallback();
-  detail::InterceptScope kernel_scope(kernels);
-  detail::MetaRngCopies copies(/*stash=*/true, /*fork=*/true);
-  detail::RngCopyObserverGuard copies_scope(&copies);
+  CpuStepCount count;
+  CountingObserver& counter = count.counter;
   // The step's own backward calls accumulate as the CPU's engine does (Note
   // [Gradient accumulation on meta]); its autocast regions cast as the CPU's
   // autocast does (Note [Autocast on meta]); its factories land on meta.
