@@ -21,8 +21,8 @@ namespace trainmem {
 
 /// Which blocks (regions) of a sequence are checkpointed, and how: what
 /// Transformer::forward and run_regions() take, and what a CheckpointPlan
-/// gives (CheckpointPlan::checkpointing()). The seed's four variants are
-/// none(), full(), every(k) and selective(policy).
+/// gives (CheckpointPlan::checkpointing()). The four kinds are none(),
+/// full(), every(k) and selective(policy).
 ///
 /// Example:
 /// ```

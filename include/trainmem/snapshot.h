@@ -1,9 +1,9 @@
 #pragma once
 /// \file snapshot.h
 /// Reads the memory snapshots `torch.cuda.memory._dump_snapshot()` writes on
-/// a GPU (and those trainmem writes, memory_viz.h) and replays their trace
-/// through CudaCachingAllocatorModel, so the model is checked against what a
-/// real device did.
+/// a GPU (and those trainmem writes, report.h's to_memory_viz_pickle) and
+/// replays their trace through CudaCachingAllocatorModel, so the model is
+/// checked against what a real device did.
 ///
 /// Example:
 /// ```

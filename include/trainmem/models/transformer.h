@@ -1,7 +1,7 @@
 #pragma once
 /// \file transformer.h
-/// The reference model of the demo, the CLI and the tests: the seed's
-/// capstone, a stack of pre-LN transformer blocks (LayerNorm -> QKV Linear ->
+/// The reference model of the demo, the CLI and the tests: the reference
+/// transformer, a stack of pre-LN transformer blocks (LayerNorm -> QKV Linear ->
 /// causal scaled-dot-product attention -> projection; LayerNorm ->
 /// Linear(d, 4d) -> GELU -> Linear(4d, d); residuals, no dropout).
 ///
@@ -33,7 +33,8 @@
 
 namespace trainmem {
 
-/// Shape of the reference transformer. Defaults are the seed's capstone.
+/// Shape of the reference transformer. Defaults: 6 blocks, d_model 128, 4
+/// heads, input (16, 64, 128).
 struct TransformerOptions {
   TORCH_ARG(int64_t, num_layers) = 6; ///< blocks
   TORCH_ARG(int64_t, d_model) = 128;  ///< model width
@@ -76,7 +77,7 @@ TORCH_MODULE(Transformer);
 /// L * (12 d^2 + 13 d): the parameter count of a TransformerOptions.
 TRAINMEM_API int64_t transformer_num_params(const TransformerOptions& options);
 
-/// The seed's first-order activation estimate for this block in fp32 with
+/// The first-order activation estimate for this block in fp32 with
 /// SDPA and no dropout: 16 saved elements per token and channel, i.e.
 /// 64 * T * B * d bytes per layer (Korthikanti et al.'s 34 in fp16 with
 /// dropout, less the masks and the attention term, at 4-byte elements).
@@ -89,7 +90,7 @@ struct ActivationTerm {
 };
 
 /// The exact bytes autograd saves for one forward of the reference transformer
-/// in fp32 with loss `out.pow(2).mean()`, no checkpointing: the seed's
+/// in fp32 with loss `out.pow(2).mean()`, no checkpointing: the first-order
 /// 64 * T * B * d per layer plus every byte the first-order estimate leaves
 /// out (LayerNorm's per-token mean and rstd, SDPA's per-row log-sum-exp, and
 /// the loss's input).

@@ -67,8 +67,8 @@ struct AnalyticActivations {
 /// `model.num_layers()` layers, with s, b, h, a = seq_len, batch, d_model,
 /// num_heads: (16 e + 2 [masks]) s b h + a s^2 b (e [softmax] + 1 + e
 /// [dropout mask and output]) bytes, e the element size. Korthikanti et al.'s
-/// 34 s b h + 5 a s^2 b at e = 2 with dropout and eager attention; the seed's
-/// 64 s b h at e = 4, no dropout, fused attention (50,331,648 B for the
+/// 34 s b h + 5 a s^2 b at e = 2 with dropout and eager attention; the
+/// first-order 64 s b h at e = 4, no dropout, fused attention (50,331,648 B for the
 /// capstone). Not counted (see estimate_activation_bytes for the exact count):
 /// LayerNorm's mean and rstd, fused attention's log-sum-exp, the loss.
 TRAINMEM_API AnalyticActivations analytic_activation_bytes(

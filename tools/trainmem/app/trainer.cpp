@@ -130,7 +130,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
   audit.set_config("optimizer_in_backward", o.optimizer_in_backward() ? "on" : "off");
   audit.set_config("accumulation", std::to_string(k));
   if (o.precision() == Precision::kFp32 && o.checkpoint() == "none") {
-    // The seed's first-order estimate for one micro-batch.
+    // The first-order estimate (64 * T * B * d per layer) for one micro-batch.
     audit.set_predicted_activation_bytes(
         predicted_activation_bytes(TransformerOptions(mo).batch(mo.batch() / k)));
   }

@@ -3,9 +3,8 @@
 /// The bundled, audited training loop behind `trainmem audit`: the reference
 /// transformer (transformer.h) trained for a few steps with a chosen
 /// optimizer, precision, checkpointing, offload, optimizer-in-backward and
-/// gradient accumulation, every step audited (audit.h). Each rung of seed
-/// 001's ladder (precision, checkpoint, accumulation) shows its memory and
-/// time.
+/// gradient accumulation, every step audited (audit.h). Each memory lever
+/// (precision, checkpoint, accumulation) shows its memory and time.
 ///
 /// Example:
 /// ```
@@ -29,7 +28,8 @@
 namespace trainmem {
 
 
-/// What `train()` runs. Defaults reproduce the seed's capstone.
+/// What `train()` runs. Defaults: the reference transformer (6 pre-LN
+/// blocks, d_model 128, 4 heads, input (16, 64, 128)) with AdamW.
 struct TrainerOptions {
   TORCH_ARG(TransformerOptions, model) = {};
   /// "adamw", "adam" or "sgd" (momentum 0.9).

@@ -1,7 +1,7 @@
 #pragma once
 /// \file variants.h
 /// The command's (and the examples' and tests') runs of the reference model:
-/// the seed's four checkpointing variants, one metered step per variant, the
+/// its four checkpointing variants, one metered step per variant, the
 /// optimizer-in-backward peaks, and gradient comparison. App code: built
 /// beside the `trainmem` command, not installed and not part of the API.
 
@@ -17,8 +17,8 @@
 
 namespace trainmem {
 
-/// The seed's four variants, in its order: none, full, every_2 and
-/// selective (save matmuls).
+/// The reference transformer's four checkpointing variants, in this order:
+/// none, full, every_2 and selective (save matmuls).
 std::vector<BlockCheckpointing> seed_variants(int64_t num_layers);
 
 /// One metered training step of the reference model: forward under `plan`
