@@ -5,8 +5,9 @@ For LLaMA-2-7B, Mistral-7B-v0.1 and Qwen3-8B (tests/data/*.json), batch 1 and
 4 at 2,048 and 4,096 tokens, bf16 autocast with AdamW, with and without full
 checkpointing and with and without LoRA (r 16 on q, k, v and o projections):
 
-- trainmem: `trainmem estimate --model ... --precision bf16-autocast --device
-  cuda --cublas-workspace 33554432` (the H100's cuBLAS workspace): predicted
+- trainmem: `trainmem estimate --model ... --precision bf16-autocast --gpu
+  h100` (the H100's attention backend and 32 MiB cuBLAS workspace, cuBLASLt
+  sharing it, as the installed LibTorch runs there): predicted
   max_memory_allocated and max_memory_reserved of the second step.
 - accelerate: `accelerate estimate-memory`'s "Training using Adam" for
   bfloat16, from its Python API on the local config (calculate_maximum_sizes on
@@ -35,13 +36,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = [("LLaMA-2-7B", "llama2_7b.json"), ("Mistral-7B-v0.1", "mistral_7b_v0.1.json"), ("Qwen3-8B", "qwen3_8b.json")]
 LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"]
-H100_CUBLAS_WORKSPACE = 33554432
 GB = 1e9
 
 
 def trainmem(cli, config, batch, seq, checkpoint, lora):
     cmd = [cli, "estimate", "--model", config, "--batch", str(batch), "--seq-len", str(seq), "--precision",
-           "bf16-autocast", "--device", "cuda", "--cublas-workspace", str(H100_CUBLAS_WORKSPACE), "--checkpoint",
+           "bf16-autocast", "--gpu", "h100", "--checkpoint",
            checkpoint, "--json"] + (LORA if lora else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)

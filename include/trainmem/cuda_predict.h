@@ -92,7 +92,40 @@ struct CudaPredictOptions {
   /// (any shape: the logits) stays alive to the end, with its autograd graph,
   /// as in a script that records `logits = model(x)`.
   TORCH_ARG(bool, forward_only) = false;
+  /// The GPU's compute capability, major * 10 + minor (90 for an H100): it
+  /// picks scaled_dot_product_attention's CUDA backend as LibTorch's
+  /// sdp_utils does (Note [SDPA's backend on CUDA] in docs/design.md): flash
+  /// attention, else memory-efficient attention; an attention that would
+  /// take another backend (math, or any with a mask) is refused, named, and
+  /// so is bf16 below 80. cuda_options_for() sets it with the workspaces.
+  TORCH_ARG(int64_t, compute_capability) = 80;
+  /// The GPU's name where cuda_options_for() set these options ("" where
+  /// none was named); only described, in what a prediction assumes.
+  TORCH_ARG(std::string, gpu_name) = "";
 };
+
+/// A GPU by name, as `--gpu` takes it. Plain data.
+struct CudaGpu {
+  std::string name;                ///< "H100"
+  int64_t compute_capability = 0;  ///< major * 10 + minor: 90 for sm 9.0
+};
+
+/// The GPUs cuda_gpu() knows, in a fixed order: H100, H200, GH200, B200,
+/// A100, A10G, A10, L4, L40S, RTX 4090, RTX 3090, T4, V100.
+TRAINMEM_API const std::vector<CudaGpu>& known_cuda_gpus();
+
+/// The GPU named `name` (case and spaces ignored: "h100", "RTX 4090",
+/// "rtx4090"). Throws c10::Error naming `name` and the known names.
+TRAINMEM_API CudaGpu cuda_gpu(const std::string& name);
+
+/// `base` as the installed LibTorch runs on `gpu`: its compute capability
+/// (the SDPA backend), cuBLAS's default workspace on that architecture
+/// (kCublasWorkspaceHopperBytes on sm 9.x, 10.x and 12.x, else
+/// kCublasWorkspaceBytes: CublasHandlePool.cpp's parseChosenWorkspaceSize),
+/// and cuBLASLt sharing that workspace (cublaslt_workspace_bytes 0), as
+/// LibTorch 2.11 and later do by default (TORCH_CUBLASLT_UNIFIED_WORKSPACE
+/// unset); an older LibTorch keeps base's cuBLASLt workspace.
+TRAINMEM_API CudaPredictOptions cuda_options_for(const CudaGpu& gpu, CudaPredictOptions base = {});
 
 /// The bytes live at the predicted max_memory_allocated, by what they are.
 /// All in bytes, block sizes (rounded as the allocator rounds them); they sum
@@ -137,6 +170,10 @@ struct CudaStepPrediction {
   CudaWorkspaces workspaces;              ///< the workspaces after the step
   /// The caching allocator's segments after the step (memory_snapshot()).
   std::vector<CudaSegmentInfo> segments;
+  /// scaled_dot_product_attention calls in the step, by the CUDA backend
+  /// that runs them (CudaPredictOptions::compute_capability).
+  int64_t flash_attention_calls = 0;
+  int64_t efficient_attention_calls = 0;
 };
 
 /// Predicts one training step on CUDA (zero_grad to none, `loss_fn()`,

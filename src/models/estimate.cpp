@@ -88,6 +88,31 @@ std::string precision_assumption(Precision p, bool cuda) {
   return "";
 }
 
+// What a CUDA prediction assumed: the GPU, its attention backend, the
+// workspaces, the allocator.
+std::string cuda_assumption(const CudaPredictOptions& c, const CudaStepPrediction& p) {
+  const int64_t cc = c.compute_capability();
+  std::string attention = "no scaled_dot_product_attention";
+  if (p.flash_attention_calls + p.efficient_attention_calls > 0) {
+    attention = fmt::format("scaled_dot_product_attention by {}", p.efficient_attention_calls == 0 ? "flash attention"
+                                               : p.flash_attention_calls == 0 ? "memory-efficient attention"
+                                                                              : "flash and memory-efficient attention");
+    if (cc == 90 || cc / 10 == 10) {
+      attention += " (cuDNN attention, which CUDA 13 builds of LibTorch prefer on this GPU, not modelled: set "
+                   "TORCH_CUDNN_SDPA_DEPRIORITIZED=1 for the run predicted)";
+    }
+  }
+  return fmt::format("CUDA on {} (compute capability {}.{}): {}; cuBLAS workspace {} B per handle and stream, "
+                     "{}; the caching allocator with {} segments; the second of two steps (AdamW's state made in "
+                     "the first)",
+                     c.gpu_name().empty() ? std::string("a GPU not named") : "the " + c.gpu_name(), cc / 10, cc % 10,
+                     attention, with_commas(c.cublas_workspace_bytes()),
+                     c.cublaslt_workspace_bytes() == 0
+                         ? std::string("cuBLASLt sharing it")
+                         : fmt::format("cuBLASLt's own {} B", with_commas(c.cublaslt_workspace_bytes())),
+                     c.allocator().expandable_segments() ? "expandable" : "fixed");
+}
+
 // Note [fp16 autocast as a step function]
 // fp16 autocast needs a GradScaler: the loss scaled before backward, the
 // gradients unscaled and checked for inf/NaN, the step taken or skipped, the
@@ -263,10 +288,7 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
                               : ""));
   if (o.cuda()) {
     const auto& c = *o.cuda();
-    a.push_back(fmt::format("CUDA: the caching allocator with {} segments, cuBLAS workspace {} B per handle and "
-                            "stream; the second of two steps (AdamW's state made in the first)",
-                            c.allocator().expandable_segments() ? "expandable" : "fixed",
-                            with_commas(c.cublas_workspace_bytes())));
+    a.push_back(cuda_assumption(c, *e.cuda));
   }
   return e;
 }

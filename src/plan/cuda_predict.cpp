@@ -119,6 +119,15 @@ class CudaKernelModel final : public detail::InterceptHandler {
 
   const CudaWorkspaces& workspaces() const { return ws_; }
 
+  // The attention calls made at event `begin` or later, by backend.
+  void count_attention_since(size_t begin, CudaStepPrediction& r) const {
+    for (const auto& [at, flash] : attention_calls_) {
+      if (at >= begin) {
+        ++(flash ? r.flash_attention_calls : r.efficient_attention_calls);
+      }
+    }
+  }
+
  private:
   void run(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
            torch::jit::Stack* stack) {
@@ -188,8 +197,10 @@ class CudaKernelModel final : public detail::InterceptHandler {
   void flash_attention(const detail::InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                        torch::jit::Stack* stack, size_t n) {
     const at::Tensor q = (*stack)[stack->size() - n].toTensor();
-    const auto st = q.scalar_type();
-    const bool flash = st == at::kHalf || st == at::kBFloat16;
+    const bool flash = uses_flash(q, (*stack)[stack->size() - n + 1].toTensor(),
+                                  (*stack)[stack->size() - n + 2].toTensor(), (*stack)[stack->size() - n + 4].toBool(),
+                                  (*stack)[stack->size() - n + 5]);
+    attention_calls_.emplace_back(trace_.num_events(), flash);
     const int64_t hd = q.size(3);
     std::vector<std::pair<uint64_t, int64_t>> pads;
     auto& trace = trace_;
@@ -219,6 +230,63 @@ class CudaKernelModel final : public detail::InterceptHandler {
     }
   }
 
+  // Note [SDPA's backend on CUDA]
+  // On meta, scaled_dot_product_attention runs the CPU's flash kernel where
+  // the CPU would (Note [Meta kernels with CPU layouts]); on CUDA, LibTorch's
+  // sdp_utils.cpp tries flash attention, then memory-efficient attention,
+  // then math, each behind its checks. This picks as those checks do for
+  // the GPU's compute capability (CudaPredictOptions::compute_capability):
+  // - flash: fp16 or bf16 on sm 8.0 to 12.1, q, k and v of one head dim of
+  //   at most 256, no mask, is_causal only with as many queries as keys, and
+  //   in training on sm 8.6-8.9 and 12.x no head dim in (192, 224]; grouped
+  //   KV heads allowed;
+  // - memory-efficient: fp32, fp16, or bf16 from sm 8.0, on sm 5.0 to 12.1,
+  //   head dims a multiple of the GEMM alignment (sm 8.0+: 8 for 16-bit
+  //   types, 4 for fp32; sm 7.x: 8 for 16-bit, 1 for fp32).
+  // Anything else (math's (B, H, T, T) scores), and what is not modelled
+  // (a mask, which memory-efficient attention pads to 16 elements first;
+  // memory-efficient attention over grouped KV heads) is refused with the
+  // reason, never predicted as something else. cuDNN attention, which
+  // CUDA 13 builds prefer on sm 9.0 and 10.x when cuDNN is newer than 9.15
+  // (check_prefer_cudnn_attention), is not modelled: the prediction is that
+  // of a run with TORCH_CUDNN_SDPA_DEPRIORITIZED=1 there.
+  bool uses_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                  const c10::IValue& mask) const {
+    const int64_t cc = options_.compute_capability();
+    const auto st = q.scalar_type();
+    const bool half = st == at::kHalf || st == at::kBFloat16;
+    const int64_t hd = q.size(3);
+    const bool same_hd = hd == k.size(3) && hd == v.size(3);
+    const bool training = q.requires_grad() || k.requires_grad() || v.requires_grad();
+    const bool has_mask = mask.isTensor() && mask.toTensor().defined();
+    auto describe = [&] {
+      return fmt::format("{} attention, head dim {}, {} query and {} KV heads{}, on compute capability {}.{}",
+                         c10::toString(st), hd, q.size(1), k.size(1), has_mask ? ", with a mask" : "", cc / 10,
+                         cc % 10);
+    };
+    TORCH_CHECK(st != at::kBFloat16 || cc >= 80, "scaled_dot_product_attention on CUDA, ", describe(),
+                ": that GPU has no bf16 attention kernel (flash and memory-efficient attention need compute "
+                "capability 8.0 for bf16)");
+    TORCH_CHECK(!has_mask, "scaled_dot_product_attention on CUDA, ", describe(),
+                ": CUDA runs memory-efficient attention on the mask padded to 16 elements, which is not modelled; "
+                "predict without a mask (is_causal) or on the CPU");
+    const bool sm86_89_or_12x = (cc >= 86 && cc <= 89) || cc >= 120;
+    const bool flash = half && cc >= 80 && cc <= 121 && same_hd && hd <= 256 &&
+        (!is_causal || q.size(2) == k.size(2)) && !(training && sm86_89_or_12x && hd > 192 && hd <= 224);
+    if (flash) {
+      return true;
+    }
+    const int64_t align = cc >= 80 ? (half ? 8 : 4) : cc >= 70 ? (half ? 8 : 1) : 1;
+    const bool efficient = cc >= 50 && cc <= 121 && hd == k.size(3) && hd % align == 0 && v.size(3) % align == 0;
+    TORCH_CHECK(efficient, "scaled_dot_product_attention on CUDA, ", describe(),
+                ": CUDA would take the math backend (neither flash nor memory-efficient attention accepts it), "
+                "whose (B, H, T, T) scores are not modelled");
+    TORCH_CHECK(q.size(1) == k.size(1), "scaled_dot_product_attention on CUDA, ", describe(),
+                ": memory-efficient attention over grouped KV heads is not modelled (flash attention, which fp16 "
+                "and bf16 take from compute capability 8.0, is)");
+    return false;
+  }
+
   // layer_norm_cuda keeps mean and rstd in the input's accumulate type (fp32
   // for bf16 and fp16) whatever the parameters' dtype; the meta kernel follows
   // the CPU, which keeps a bf16 model's statistics in bf16.
@@ -239,6 +307,7 @@ class CudaKernelModel final : public detail::InterceptHandler {
   TraceObserver& trace_;
   bool in_backward_ = false;
   std::vector<std::pair<size_t, bool>> backward_marks_;
+  std::vector<std::pair<size_t, bool>> attention_calls_;  // (event index, flash)
 };
 
 void storages_of(const torch::nn::Module& module, std::vector<at::Tensor>& out) {
@@ -522,6 +591,7 @@ CudaStepPrediction predict_cuda_step_peak(
     r.phase = Phase::kForward;
   }
   r.workspaces = kernels.workspaces();
+  kernels.count_attention_since(trace.marks.begin, r);
   terms_at_peak(trace, replay, r);
   return r;
 }
@@ -579,6 +649,7 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   r.phase = replay.peak_index > m.begin && kernels.in_backward_at(replay.peak_index) ? Phase::kBackward
                                                                                       : Phase::kForward;
   r.workspaces = kernels.workspaces();
+  kernels.count_attention_since(trace.marks.begin, r);
   terms_at_peak(trace, replay, r);
   return r;
 }

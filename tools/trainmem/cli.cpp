@@ -11,6 +11,7 @@
 #include <regex>
 
 #include <ATen/autocast_mode.h>
+#include <fmt/format.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -126,6 +127,56 @@ void check_device(const std::string& device) {
   if (!std::regex_match(device, re)) {
     throw UsageError("expected --device cpu or cuda[:index], but got " + in_quotes(device));
   }
+}
+
+void add_gpu_flag(CLI::App& sub, std::string& gpu) {
+  std::string names;
+  for (const auto& g : known_cuda_gpus()) {
+    names += (names.empty() ? "" : ", ") + g.name;
+  }
+  sub.add_option("--gpu", gpu,
+                 "the GPU to predict for (implies --device cuda): its attention backend and cuBLAS workspace as "
+                 "the installed LibTorch picks them; one of " + names);
+}
+
+std::string device_for_gpu(const std::string& device, bool device_given, const std::string& gpu) {
+  if (gpu.empty()) {
+    return device;
+  }
+  if (device_given && device == "cpu") {
+    throw UsageError("--gpu " + gpu + " with --device cpu: a GPU is predicted on --device cuda (or drop --device)");
+  }
+  return device_given ? device : "cuda";
+}
+
+CudaPredictOptions cuda_options(const std::string& alloc_conf, const std::string& gpu,
+                                std::optional<int64_t> cublas_workspace) {
+  CudaPredictOptions o;
+  if (!gpu.empty()) {
+    try {
+      o = cuda_options_for(cuda_gpu(gpu));
+    } catch (const c10::Error& e) {
+      throw UsageError("--gpu: " + std::string(e.what_without_backtrace()));
+    }
+  }
+  try {
+    o.allocator(CudaAllocatorConfig::parse(alloc_conf));
+  } catch (const c10::Error& e) {
+    throw UsageError("--alloc-conf: " + std::string(e.what_without_backtrace()));
+  }
+  if (cublas_workspace) {
+    if (*cublas_workspace < 0) {
+      throw UsageError(fmt::format("--cublas-workspace {}: expected bytes >= 0", *cublas_workspace));
+    }
+    o.cublas_workspace_bytes(*cublas_workspace);
+  }
+  return o;
+}
+
+std::string gpu_words(const CudaPredictOptions& o) {
+  return fmt::format("{}, compute capability {}.{}",
+                     o.gpu_name().empty() ? std::string("a GPU not named (--gpu)") : "the " + o.gpu_name(),
+                     o.compute_capability() / 10, o.compute_capability() % 10);
 }
 
 int64_t parse_bytes(const std::string& text) {

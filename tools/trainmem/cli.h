@@ -15,6 +15,8 @@
 #include <CLI/CLI.hpp>
 #include <c10/core/DeviceType.h>
 
+#include "trainmem/cuda_predict.h"
+
 namespace trainmem::cli {
 
 /// A check the user asked for failed (exit status 3).
@@ -67,6 +69,26 @@ CLI::Validator output_path();
 /// Throws UsageError unless `device` is "cpu" or "cuda[:index]" (c10 accepts
 /// "cpu:1", which names no CPU).
 void check_device(const std::string& device);
+
+/// Adds `--gpu NAME` (cuda_predict.h's known_cuda_gpus()) to `sub`.
+void add_gpu_flag(CLI::App& sub, std::string& gpu);
+
+/// The device a command predicts for: `device`, or "cuda" where `gpu` names
+/// a GPU and --device was not given. Throws UsageError for --device cpu
+/// with --gpu.
+std::string device_for_gpu(const std::string& device, bool device_given, const std::string& gpu);
+
+/// CUDA prediction options: the allocator settings `alloc_conf`
+/// (PYTORCH_CUDA_ALLOC_CONF), the GPU `gpu` ("" for none: compute
+/// capability 8.0 and LibTorch 2.6's workspaces, CudaPredictOptions'
+/// defaults) and a cuBLAS workspace that overrides the GPU's. Throws
+/// UsageError naming a bad value.
+CudaPredictOptions cuda_options(const std::string& alloc_conf, const std::string& gpu,
+                                std::optional<int64_t> cublas_workspace);
+
+/// "the H100, compute capability 9.0" or "a GPU not named (--gpu), compute
+/// capability 8.0": the GPU `o` predicts for, in words.
+std::string gpu_words(const CudaPredictOptions& o);
 
 /// Parses "40MiB", "1.5GB", "4096", "512 KiB" into bytes. Throws UsageError
 /// naming `text` when it is not a size.

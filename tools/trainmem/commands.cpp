@@ -15,6 +15,7 @@
 #include "model_file.h"
 #include "trainmem/accountant.h"
 #include "trainmem/cuda_predict.h"
+#include "trainmem/grad_scaler.h"
 #include "trainmem/device.h"
 #include "trainmem/meta.h"
 #ifdef TRAINMEM_WITH_DISTRIBUTED
@@ -66,6 +67,8 @@ struct AuditFlags {
   // estimate --device cuda: the caching allocator's settings and cuBLAS's workspace.
   std::string alloc_conf;
   int64_t cublas_workspace = kCublasWorkspaceBytes;
+  bool cublas_workspace_given = false;
+  std::string gpu;  // --gpu NAME: the GPU predicted (implies --device cuda)
 };
 
 void add_training_flags(CLI::App& sub, AuditFlags& f) {
@@ -318,17 +321,8 @@ CudaPredictOptions cuda_predict_options(const AuditFlags& f) {
   if (f.optimizer == "sgd") {
     throw UsageError("--device cuda --optimizer sgd: the CUDA prediction models AdamW and Adam (same state)");
   }
-  if (f.cublas_workspace < 0) {
-    throw UsageError(fmt::format("--cublas-workspace {}: expected bytes >= 0", f.cublas_workspace));
-  }
-  CudaPredictOptions o;
-  try {
-    o.allocator(CudaAllocatorConfig::parse(f.alloc_conf));
-  } catch (const c10::Error& e) {
-    throw UsageError("--alloc-conf: " + std::string(e.what_without_backtrace()));
-  }
-  o.cublas_workspace_bytes(f.cublas_workspace);
-  return o;
+  return cuda_options(f.alloc_conf, f.gpu, f.cublas_workspace_given ? std::optional<int64_t>(f.cublas_workspace)
+                                                                      : std::nullopt);
 }
 
 // estimate --device cuda: the step (forward, loss, backward, optimizer step)
@@ -337,14 +331,35 @@ CudaPredictOptions cuda_predict_options(const AuditFlags& f) {
 // runs: the forward under CUDA autocast (its casts on meta: Note [Autocast on
 // meta] in docs/design.md) or the model and batch in bf16, then the loss in
 // fp32.
-CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo) {
-  if (f.precision == "fp16-autocast") {
-    throw UsageError("--device cuda --precision fp16-autocast for the bundled transformer: not predicted yet (a "
-                     "config file's model is: estimate --model FILE --precision fp16-autocast); predict "
-                     "bf16-autocast, bf16 or fp32");
-  }
-  const auto options = cuda_predict_options(f);
+CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo, const CudaPredictOptions& options) {
   const auto plan = BlockCheckpointing::named(mo.num_layers(), "none");
+  if (f.precision == "fp16-autocast") {
+    // The audited step with its GradScaler (trainer.cpp), as a step function
+    // (Note [fp16 autocast as a step function]).
+    Transformer meta{nullptr};
+    {
+      MetaInitGuard guard;
+      meta = Transformer(mo);
+    }
+    torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+    GradScaler scaler;
+    return predict_cuda_step_function(
+        {meta.get()}, {&opt},
+        [&] {
+          opt.zero_grad();
+          const at::Tensor loss = [&] {  // the batch and the output die with the loss function, as in the audit
+            const auto x = at::empty({mo.batch(), mo.seq_len(), mo.d_model()}, at::TensorOptions().device(at::kMeta));
+            return run_under_autocast(at::kCUDA, at::kHalf, [&] { return meta->forward(x, plan); })
+                .to(at::kFloat)
+                .pow(2)
+                .mean();
+          }();
+          scaler.scale(loss).backward();
+          scaler.step(opt);
+          scaler.update();
+        },
+        options);
+  }
   if (f.precision == "fp32") {
     return predict_cuda_transformer_step(mo, plan, /*adamw=*/true, options);
   }
@@ -384,8 +399,10 @@ void run_estimate(const AuditFlags& f) {
   // (the capstone's measured step peak is 3.4 % under it).
   const int64_t step_peak = e.static_bytes + activations;
   std::optional<CudaStepPrediction> cuda;
+  std::optional<CudaPredictOptions> cuda_opts;
   if (f.device != "cpu") {
-    cuda = estimate_cuda(f, model_options(f.model));
+    cuda_opts = cuda_predict_options(f);
+    cuda = estimate_cuda(f, model_options(f.model), *cuda_opts);
   }
   if (f.json) {
     nlohmann::ordered_json j;
@@ -416,7 +433,12 @@ void run_estimate(const AuditFlags& f) {
                    {"kernel_temporary_bytes", cuda->terms.kernel_temporary_bytes},
                    {"rounding_bytes", cuda->terms.rounding_bytes},
                    {"alloc_conf", f.alloc_conf},
-                   {"cublas_workspace_bytes", f.cublas_workspace}};
+                   {"gpu", cuda_opts->gpu_name()},
+                   {"compute_capability", cuda_opts->compute_capability()},
+                   {"flash_attention_calls", cuda->flash_attention_calls},
+                   {"efficient_attention_calls", cuda->efficient_attention_calls},
+                   {"cublas_workspace_bytes", cuda_opts->cublas_workspace_bytes()},
+                   {"cublaslt_workspace_bytes", cuda_opts->cublaslt_workspace_bytes()}};
     }
     std::cout << j.dump(2) << "\n";
     return;
@@ -445,9 +467,10 @@ void run_estimate(const AuditFlags& f) {
                      "gradients replacing freed activations subtract)\n",
                      with_commas(step_peak), human_bytes(step_peak));
   if (cuda) {
-    out += fmt::format("on {} (a meta run replayed through the CUDA caching-allocator model, {}, {}, no "
+    out += fmt::format("on {} ({}; a meta run replayed through the CUDA caching-allocator model, {}, {}, no "
                        "checkpointing):\n",
-                       f.device, f.precision, f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
+                       f.device, gpu_words(*cuda_opts), f.precision,
+                       f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
     out += to_string(*cuda);
   }
   std::cout << out;
@@ -543,9 +566,12 @@ void add_estimate_command(CLI::App& app) {
   sub->add_option("--cublas-workspace", f->cublas_workspace,
                   "with --device cuda: cuBLAS workspace bytes per thread (8519680; 33554432 on Hopper and later)")
       ->capture_default_str();
+  add_gpu_flag(*sub, f->gpu);
   auto m = std::make_shared<ModelFileFlags>();
   add_model_file_flags(*sub, *m);  // --model FILE (model_file.cpp)
   sub->callback([f, m, sub] {
+    f->cublas_workspace_given = sub->get_option("--cublas-workspace")->count() > 0;
+    f->device = device_for_gpu(f->device, sub->get_option("--device")->count() > 0, f->gpu);
     if (!m->path.empty()) {
       refuse_flags_model_ignores(*sub, *f);
       std::optional<CudaPredictOptions> cuda;

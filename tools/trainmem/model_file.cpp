@@ -320,14 +320,16 @@ void run_plan_model_cuda(const std::string& path, const HfConfig& config, int64_
   if (json) {
     auto j = plan_model_json(path, config, o, r.plan);
     j["device"] = device;
+    j["gpu"] = cuda.gpu_name();
+    j["compute_capability"] = cuda.compute_capability();
     j["budget_kind"] = to_string(kind);
     j["cuda"] = cuda_plan_json(r);
     j["cuda"]["rounds"] = r.num_rounds;
     std::cout << j.dump(2) << "\n";
   } else {
-    std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, {} (planned on meta for --device {}: "
+    std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, {} (planned on meta for --device {}, {}: "
                              "budget {} B on max_memory_{}, predicted; nothing is run)\n\n",
-                             describe(config, path), o.batch(), o.seq_len(), plan_assumes(o), device,
+                             describe(config, path), o.batch(), o.seq_len(), plan_assumes(o), device, gpu_words(cuda),
                              with_commas(budget), to_string(kind));
     std::cout << cuda_plan_text(r);
   }

@@ -40,6 +40,7 @@ struct PlanFlags {
   bool run_model = false;                 // --run: with --model, run the plan on CPU
   std::string precision = "fp32";         // --precision: with --model
   LoraFlags lora;                         // --lora-*: with --model
+  std::string gpu;                        // --gpu NAME: implies --device cuda
   std::function<bool(const char*)> given; // whether a flag was given
 };
 
@@ -96,12 +97,15 @@ CudaBudgetKind cuda_budget_kind(const PlanFlags& f) {
 
 void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions& options, const std::string& unit) {
   const auto kind = cuda_budget_kind(f);
-  const auto r = plan_checkpointing_cuda(o, options, kind);
+  const auto cuda = cuda_options("", f.gpu, std::nullopt);
+  const auto r = plan_checkpointing_cuda(o, options, kind, cuda);
   if (f.json) {
     nlohmann::ordered_json doc = {
         {"schema", "trainmem/1"},
         {"command", "plan"},
         {"device", f.device},
+        {"gpu", cuda.gpu_name()},
+        {"compute_capability", cuda.compute_capability()},
         {"budget_kind", to_string(kind)},
         {"plan", plan_json(r.plan)},
         {"cost_unit", unit},
@@ -109,8 +113,9 @@ void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions
     };
     std::cout << doc.dump() << "\n";
   } else {
-    std::cout << fmt::format("trainmem plan --device {}: budget {} B on max_memory_{} (predicted; nothing is run)\n\n",
-                             f.device, with_commas(r.budget_bytes), to_string(kind));
+    std::cout << fmt::format("trainmem plan --device {} ({}): budget {} B on max_memory_{} (predicted; nothing "
+                             "is run)\n\n",
+                             f.device, gpu_words(cuda), with_commas(r.budget_bytes), to_string(kind));
     std::cout << cuda_plan_text(r);
   }
   check_cuda_plan_fits(r);
@@ -138,7 +143,7 @@ void run(const PlanFlags& f) {
     }
     if (f.device != "cpu") {
       const auto kind = cuda_budget_kind(f);
-      const CudaPredictOptions cuda;
+      const CudaPredictOptions cuda = cuda_options("", f.gpu, std::nullopt);
       run_plan_model(f.model_file, budget, options, !f.no_selective, f.run_model, f.json,
                      &cuda, kind, f.device);
       return;
@@ -256,8 +261,12 @@ void add_plan_command(CLI::App& app) {
       ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast"}))
       ->capture_default_str();
   add_lora_flags(*sub, f->lora);
+  add_gpu_flag(*sub, f->gpu);
   f->given = [sub](const char* name) { return sub->get_option(name)->count() > 0; };
-  sub->callback([f] { run(*f); });
+  sub->callback([f] {
+    f->device = device_for_gpu(f->device, f->given("--device"), f->gpu);
+    run(*f);
+  });
 }
 
 } // namespace trainmem::cli
