@@ -242,9 +242,11 @@ class CudaKernelModel final : public detail::InterceptHandler {
   //   KV heads allowed;
   // - memory-efficient: fp32, fp16, or bf16 from sm 8.0, on sm 5.0 to 12.1,
   //   head dims a multiple of the GEMM alignment (sm 8.0+: 8 for 16-bit
-  //   types, 4 for fp32; sm 7.x: 8 for 16-bit, 1 for fp32).
+  //   types, 4 for fp32; sm 7.x: 8 for 16-bit, 1 for fp32); a mask (made
+  //   float first, as the CPU path makes it) read in place when its strides
+  //   are multiples of 8.
   // Anything else (math's (B, H, T, T) scores), and what is not modelled
-  // (a mask, which memory-efficient attention pads to 16 elements first;
+  // (a mask memory-efficient attention copies into a padded one;
   // memory-efficient attention over grouped KV heads) is refused with the
   // reason, never predicted as something else. cuDNN attention, which
   // CUDA 13 builds prefer on sm 9.0 and 10.x when cuDNN is newer than 9.15
@@ -267,11 +269,8 @@ class CudaKernelModel final : public detail::InterceptHandler {
     TORCH_CHECK(st != at::kBFloat16 || cc >= 80, "scaled_dot_product_attention on CUDA, ", describe(),
                 ": that GPU has no bf16 attention kernel (flash and memory-efficient attention need compute "
                 "capability 8.0 for bf16)");
-    TORCH_CHECK(!has_mask, "scaled_dot_product_attention on CUDA, ", describe(),
-                ": CUDA runs memory-efficient attention on the mask padded to 16 elements, which is not modelled; "
-                "predict without a mask (is_causal) or on the CPU");
     const bool sm86_89_or_12x = (cc >= 86 && cc <= 89) || cc >= 120;
-    const bool flash = half && cc >= 80 && cc <= 121 && same_hd && hd <= 256 &&
+    const bool flash = !has_mask && half && cc >= 80 && cc <= 121 && same_hd && hd <= 256 &&
         (!is_causal || q.size(2) == k.size(2)) && !(training && sm86_89_or_12x && hd > 192 && hd <= 224);
     if (flash) {
       return true;
@@ -284,6 +283,19 @@ class CudaKernelModel final : public detail::InterceptHandler {
     TORCH_CHECK(q.size(1) == k.size(1), "scaled_dot_product_attention on CUDA, ", describe(),
                 ": memory-efficient attention over grouped KV heads is not modelled (flash attention, which fp16 "
                 "and bf16 take from compute capability 8.0, is)");
+    if (has_mask) {
+      // The mask here is the one SDPA made float (convert_boolean_attn_mask),
+      // as on CUDA; preprocess_mask pads it to rows of 8 elements unless its
+      // strides already are multiples of 8 (aligned_tensor).
+      const at::Tensor& m = mask.toTensor();
+      bool aligned = m.stride(-1) == 1;
+      for (int64_t i = 0; i + 1 < m.dim(); ++i) {
+        aligned = aligned && m.stride(i) % 8 == 0;
+      }
+      TORCH_CHECK(aligned, "scaled_dot_product_attention on CUDA, ", describe(),
+                  ": memory-efficient attention copies a mask whose strides are not multiples of 8 into a padded "
+                  "one (preprocess_mask), which is not modelled");
+    }
     return false;
   }
 

@@ -215,6 +215,10 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                       {"phases_split", e.step_phases_split}};
     if (e.cuda) {
       j["cuda"] = {{"device", device},
+                   {"gpu", e.options.cuda()->gpu_name()},
+                   {"compute_capability", e.options.cuda()->compute_capability()},
+                   {"flash_attention_calls", e.cuda->flash_attention_calls},
+                   {"efficient_attention_calls", e.cuda->efficient_attention_calls},
                    {"max_memory_allocated_bytes", e.cuda->max_memory_allocated_bytes},
                    {"max_memory_reserved_bytes", e.cuda->max_memory_reserved_bytes},
                    {"workspace_bytes", e.cuda->terms.workspace_bytes},
@@ -252,9 +256,9 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
                        precision, with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes));
   }
   if (e.cuda) {
-    out += fmt::format("on {} (the same step replayed through the CUDA caching-allocator model, {} AdamW, one "
-                       "rank):\n",
-                       device, precision);
+    out += fmt::format("on {} ({}; the same step replayed through the CUDA caching-allocator model, {} AdamW, "
+                       "one rank):\n",
+                       device, gpu_words(*e.options.cuda()), precision);
     out += to_string(*e.cuda);
   }
   out += "assumed:\n";
