@@ -41,6 +41,8 @@ struct PlanFlags {
   std::string precision = "fp32";         // --precision: with --model
   LoraFlags lora;                         // --lora-*: with --model
   std::string gpu;                        // --gpu NAME: implies --device cuda
+  int64_t ranks = 1;                      // --ranks, --zero: refused above 1 and 0 (one rank is planned)
+  int64_t zero = 0;
   std::function<bool(const char*)> given; // whether a flag was given
 };
 
@@ -135,6 +137,14 @@ void run(const PlanFlags& f) {
                                      name));
       }
     }
+  }
+  if (f.ranks != 1 || f.zero != 0) {
+    // Note [A plan is one rank's]
+    throw UsageError(fmt::format(
+        "--ranks {} --zero {}: plan predicts one rank's whole step, unsharded; how ZeRO's partitions and DDP's "
+        "buckets live inside the step depends on the framework's schedule, which is not modelled. "
+        "`trainmem estimate --model FILE --ranks {} --zero {}` gives the sharded static bytes by recipe",
+        f.ranks, f.zero, f.ranks, f.zero));
   }
   if (!f.model_file.empty()) {
     const auto options = model_options(f.model.batch, f.model.seq_len, f.precision, f.lora);
@@ -262,6 +272,10 @@ void add_plan_command(CLI::App& app) {
       ->capture_default_str();
   add_lora_flags(*sub, f->lora);
   add_gpu_flag(*sub, f->gpu);
+  sub->add_option("--ranks", f->ranks, "data-parallel ranks: only 1 (a plan is one rank's step)")
+      ->capture_default_str();
+  sub->add_option("--zero", f->zero, "ZeRO stage: only 0 (a plan is one rank's step, unsharded)")
+      ->capture_default_str();
   f->given = [sub](const char* name) { return sub->get_option(name)->count() > 0; };
   sub->callback([f] {
     f->device = device_for_gpu(f->device, f->given("--device"), f->gpu);
