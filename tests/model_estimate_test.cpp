@@ -15,6 +15,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/block_checkpointing.h"
 #include "trainmem/grad_scaler.h"
+#include "trainmem/master_weights.h"
 #include "trainmem/models/lora.h"
 #include "trainmem/planner.h"
 
@@ -156,6 +157,63 @@ TEST(ModelEstimateTest, Fp16AutocastWithAGradScalerEqualsTheCpuStep) {
       EXPECT_FALSE(e.step_phases_split);
       EXPECT_EQ(e.step_peak.optimizer_state_bytes, measured.optimizer_state_bytes) << name;
       EXPECT_EQ(e.step_peak.peak_bytes, measured.peak_bytes) << name << " " << o.checkpoint();
+    }
+  }
+}
+
+// A bf16 model with fp32 master weights (Note [bf16 weights with fp32 master
+// weights]), predicted as a step function: the same step run on CPU with
+// MasterWeights, measured by measure_step_function, to the byte; with LoRA
+// the fp32 adapters get no masters.
+TEST(ModelEstimateTest, Bf16WithFp32MasterWeightsEqualsTheCpuStep) {
+  trainmem::CpuMemoryTracker::install();
+  struct MasterCase {
+    const char* config;
+    const char* checkpoint;
+    bool lora;
+  };
+  for (const auto& c : {MasterCase{"tiny_llama.json", "none", false}, MasterCase{"tiny_llama.json", "full", false},
+                        MasterCase{"tiny_gpt2.json", "none", false}, MasterCase{"tiny_qwen3.json", "none", true}}) {
+    const auto config = trainmem::load_hf_config(data(c.config));
+    auto o = trainmem::ModelEstimateOptions().batch(2).seq_len(24).precision(trainmem::Precision::kBf16Master)
+                 .checkpoint(c.checkpoint);
+    if (c.lora) {
+      o.lora(trainmem::LoraOptions().rank(4).targets({"q_proj", "v_proj"}));
+    }
+    const auto e = trainmem::estimate_model(config, o);
+    torch::manual_seed(0);
+    auto model = trainmem::build_model(config, o);
+    std::vector<at::Tensor> trainable;
+    for (const auto& p : model.module->parameters()) {
+      if (p.requires_grad()) trainable.push_back(p);
+    }
+    trainmem::MasterWeights masters(trainable);
+    torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
+    const auto plan = trainmem::BlockCheckpointing::named(config.num_layers, o.checkpoint());
+    const auto measured = trainmem::measure_step_function({model.module.get(), masters.get()}, {&opt}, [&] {
+      for (auto& p : model.module->parameters()) p.mutable_grad().reset();
+      // The batch made inside the loss, as estimate_model's is: gone with the
+      // graph, before the optimizer step.
+      [&] {
+        const auto tokens = torch::randint(config.vocab_size, {o.batch(), o.seq_len()});
+        return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan);
+      }().backward();  // the loss gone too
+      masters->step(opt);
+    });
+    std::printf("%s bf16-master, checkpointing %s%s: predicted %lld B, measured %lld B (parameters %lld B, state "
+                "%lld B)\n",
+                c.config, c.checkpoint, c.lora ? ", LoRA" : "", static_cast<long long>(e.step_peak.peak_bytes),
+                static_cast<long long>(measured.peak_bytes), static_cast<long long>(measured.param_bytes),
+                static_cast<long long>(measured.optimizer_state_bytes));
+    EXPECT_FALSE(e.step_phases_split);
+    EXPECT_EQ(e.step_peak.param_bytes, measured.param_bytes) << c.config;
+    EXPECT_EQ(e.step_peak.optimizer_state_bytes, measured.optimizer_state_bytes) << c.config;
+    EXPECT_EQ(e.step_peak.peak_bytes, measured.peak_bytes) << c.config << " " << c.checkpoint;
+    if (!c.lora) {
+      // bf16 weights (2 B) and fp32 masters (4 B) per parameter; AdamW's two
+      // fp32 moments (8 B; its step count is no tensor in LibTorch).
+      EXPECT_EQ(measured.param_bytes, 6 * e.num_params) << c.config;
+      EXPECT_EQ(measured.optimizer_state_bytes, 8 * e.num_params) << c.config;
     }
   }
 }

@@ -14,6 +14,7 @@
 #include "trainmem/format.h"
 #include "trainmem/grad_scaler.h"
 #include "trainmem/hooks.h"
+#include "trainmem/master_weights.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
 #include "trainmem/models/gpt.h"

@@ -11,6 +11,7 @@
 #include "trainmem/block_checkpointing.h"
 #include "trainmem/format.h"
 #include "trainmem/grad_scaler.h"
+#include "trainmem/master_weights.h"
 #include "trainmem/meta.h"
 
 namespace trainmem {
@@ -21,17 +22,20 @@ const char* precision_name(Precision precision) {
     case Precision::kBf16Autocast: return "bf16-autocast";
     case Precision::kBf16: return "bf16";
     case Precision::kFp16Autocast: return "fp16-autocast";
+    case Precision::kBf16Master: return "bf16-master";
   }
   return "?";
 }
 
 Precision parse_precision(const std::string& name) {
-  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16Autocast}) {
+  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16Autocast,
+                 Precision::kBf16Master}) {
     if (name == precision_name(p)) {
       return p;
     }
   }
-  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16 or fp16-autocast, but got \"", name, "\"");
+  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16, fp16-autocast or bf16-master, but got \"", name,
+              "\"");
 }
 
 at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype, const std::function<at::Tensor()>& fn) {
@@ -84,6 +88,12 @@ std::string precision_assumption(Precision p, bool cuda) {
                          "trainmem's GradScaler (its step taken; the step predicted as a function, its phases not "
                          "split: Note [fp16 autocast as a step function])",
                          cuda ? ", CUDA's for the CUDA ones" : "");
+    case Precision::kBf16Master:
+      return "precision bf16-master: the model and its gradients in bf16, AdamW over fp32 master copies of the "
+             "bf16 weights (fp32 moments); after backward each bf16 gradient becomes its master's fp32 gradient "
+             "and is freed, and after the step the masters are copied into the weights and their gradients freed "
+             "(Note [bf16 weights with fp32 master weights]; the step predicted as a function, its phases not "
+             "split); the loss in fp32";
   }
   return "";
 }
@@ -158,11 +168,57 @@ void predict_fp16_steps(ModelEstimate& e, const HfModel& model, const std::vecto
   }
 }
 
+// Note [bf16 weights with fp32 master weights]
+// ZeRO's mixed-precision recipe (2 + 2 + 12 B per parameter) as a user of
+// LibTorch writes it with trainmem's MasterWeights (master_weights.h): the
+// model in bf16, AdamW over fp32 masters of its bf16 trainable weights. Each
+// step: gradients to none, forward and backward in bf16 (the loss in fp32),
+// then MasterWeights::step: each bf16 gradient converted into its master's
+// fp32 gradient and freed, one at a time; AdamW's step on the masters; the
+// masters copied into the bf16 weights, their gradients freed. So the
+// backward holds 2 + 2 + 4 + 8 B per parameter beside the activations, and
+// the optimizer step 2 + 4 + 4 + 8. The step is predicted as a function
+// (predict_step_function, predict_cuda_step_function), the masters a module
+// beside the model: phases not split. A framework that keeps a flat fp32
+// gradient buffer across steps (DeepSpeed's bf16 optimizer) holds 4 B per
+// parameter more than this; one that frees the masters' gradients later, or
+// the bf16 ones earlier, moves the peak.
+template <typename LossOn>
+void predict_master_steps(ModelEstimate& e, const HfModel& model, const std::vector<at::Tensor>& trainable,
+                          const LossOn& loss_on) {
+  MasterWeights masters(trainable);
+  const auto step_on = [&](c10::DeviceType device, torch::optim::Optimizer& opt) {
+    return [&, device] {
+      for (auto& p : model.module->parameters()) {
+        p.mutable_grad().reset();
+      }
+      loss_on(device)().backward();
+      masters->step(opt);
+    };
+  };
+  {
+    torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
+    const auto f = predict_step_function({model.module.get(), masters.get()}, {&opt}, step_on(c10::kCPU, opt));
+    e.step_phases_split = false;
+    e.step_peak = StepPeak();
+    e.step_peak.peak_bytes = f.peak_bytes;
+    e.step_peak.param_bytes = f.param_bytes;
+    e.step_peak.buffer_bytes = f.buffer_bytes;
+    e.step_peak.optimizer_state_bytes = f.optimizer_state_bytes;
+    e.step_peak.activation_bytes = e.saved_bytes;
+  }
+  if (e.options.cuda()) {
+    torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
+    e.cuda = predict_cuda_step_function({model.module.get(), masters.get()}, {&opt}, step_on(c10::kCUDA, opt),
+                                        *e.options.cuda());
+  }
+}
+
 } // namespace
 
 HfModel build_model(const HfConfig& config, const ModelEstimateOptions& options) {
   HfModel model = build_hf_model(config);
-  if (options.precision() == Precision::kBf16) {
+  if (options.precision() == Precision::kBf16 || options.precision() == Precision::kBf16Master) {
     model.module->to(at::kBFloat16);  // as from_pretrained(torch_dtype=torch.bfloat16), before PEFT
   }
   if (options.lora()) {
@@ -249,6 +305,8 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
   e.saved_bytes = predict_saved_activations(*model.module, loss_on(at::kCPU)).saved_bytes;
   if (fp16) {
     predict_fp16_steps(e, model, trainable, loss_on);
+  } else if (o.precision() == Precision::kBf16Master) {
+    predict_master_steps(e, model, trainable, loss_on);
   } else {
     {
       torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
@@ -280,8 +338,12 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
   } else {
     a.push_back("LoRA none: every parameter trained");
   }
-  a.push_back(fmt::format("optimizer AdamW (two moments in the trainable parameters' dtype); the step peak is one "
+  a.push_back(fmt::format("optimizer AdamW (two moments in the dtype of what it steps: {}); the step peak is one "
                           "rank's, unsharded{}",
+                          o.lora() ? "fp32, the adapters'"
+                          : o.precision() == Precision::kBf16Master ? "fp32, the masters'"
+                          : o.precision() == Precision::kBf16       ? "bf16"
+                                                                    : "fp32",
                           o.ranks() > 1 || o.zero() > 0
                               ? fmt::format(" (ZeRO-{} over {} ranks is in the static bytes by recipe only)",
                                             o.zero(), o.ranks())

@@ -76,8 +76,10 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
   sub.add_option("--optimizer", f.optimizer, "adamw, adam or sgd (momentum 0.9)")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
       ->capture_default_str();
-  sub.add_option("--precision", f.precision, "fp32, bf16-autocast, bf16 or fp16-autocast (with a GradScaler)")
-      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast"}))
+  sub.add_option("--precision", f.precision,
+                 "fp32, bf16-autocast, bf16, fp16-autocast (with a GradScaler) or bf16-master (a bf16 model with "
+                 "fp32 master weights: estimate --model only)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast", "bf16-master"}))
       ->capture_default_str();
   sub.add_option("--accumulate", f.accumulate, "micro-batches per step (gradient accumulation)")
       ->check(int_in(1, kMaxBatch))
@@ -164,7 +166,18 @@ void check_memory_fits(const AuditFlags& f) {
   }
 }
 
+// bf16-master is predicted for config-file models only (estimate --model).
+void refuse_master_weights(const AuditFlags& f, const char* command) {
+  if (f.precision == "bf16-master") {
+    throw UsageError(fmt::format("--precision bf16-master with {}: the bundled transformer's trainer keeps no fp32 "
+                                 "master weights; `trainmem estimate --model FILE --precision bf16-master` "
+                                 "predicts a config-file model's step with them",
+                                 command));
+  }
+}
+
 void run_audit(const AuditFlags& f) {
+  refuse_master_weights(f, "audit");
   check_model_flags(f.model);
   check_device(f.device);
   TrainerOptions o;
@@ -386,6 +399,7 @@ CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& 
 }
 
 void run_estimate(const AuditFlags& f) {
+  refuse_master_weights(f, "estimate (without --model)");
   check_model_flags(f.model);
   if (f.accumulate < 1 || f.model.batch % f.accumulate != 0) {
     throw UsageError(fmt::format("expected --batch {} to split into --accumulate {} equal micro-batches",

@@ -46,9 +46,13 @@ enum class Precision {
   kBf16Autocast, ///< fp32 parameters; matmuls and attention in bf16 (autocast)
   kBf16,         ///< everything in bf16, optimizer state too (LibTorch's optimizers keep state in the parameter dtype)
   kFp16Autocast, ///< fp32 parameters; matmuls and attention in fp16 (autocast), loss scaled by a GradScaler
+  /// The model and its gradients in bf16, AdamW over fp32 master copies of
+  /// the bf16 weights (ZeRO's mixed-precision recipe, 2 + 2 + 12 B per
+  /// parameter): Note [bf16 weights with fp32 master weights].
+  kBf16Master,
 };
 
-/// "fp32", "bf16-autocast", "bf16", "fp16-autocast".
+/// "fp32", "bf16-autocast", "bf16", "fp16-autocast", "bf16-master".
 TRAINMEM_API const char* precision_name(Precision precision);
 /// Parses a precision_name(). Throws c10::Error naming `name` otherwise.
 TRAINMEM_API Precision parse_precision(const std::string& name);
@@ -66,9 +70,9 @@ TRAINMEM_API at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarTyp
 struct ModelEstimateOptions {
   TORCH_ARG(int64_t, batch) = 1;       ///< sequences in the micro-batch
   TORCH_ARG(int64_t, seq_len) = 2048;  ///< tokens per sequence (at most the config's positions)
-  /// fp32, bf16 autocast, a model held in bf16, or fp16 autocast with
+  /// fp32, bf16 autocast, a model held in bf16, fp16 autocast with
   /// trainmem's GradScaler (its step taken; Note [fp16 autocast as a step
-  /// function]).
+  /// function]), or a bf16 model with fp32 master weights.
   TORCH_ARG(Precision, precision) = Precision::kFp32;
   /// Activation checkpointing of the decoder blocks, as
   /// BlockCheckpointing::named() takes it: "none", "full", "every_<k>" or
@@ -115,7 +119,7 @@ struct ModelEstimate {
 
 /// The model `config` describes, built on the current device (on meta under a
 /// MetaInitGuard, else on CPU and initialized) as `options` asks: cast to
-/// bf16 for Precision::kBf16, then given LoRA adapters when asked (as
+/// bf16 for Precision::kBf16 and kBf16Master, then given LoRA adapters when asked (as
 /// from_pretrained in bf16, then get_peft_model). Its loss and forward are
 /// HfModel's; the autocast of kBf16Autocast is the caller's to open
 /// (run_under_autocast), as in a user's loop.
