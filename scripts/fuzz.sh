@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # make fuzz: the libFuzzer targets of tests/fuzz (the snapshot reader and its
 # replay; the config.json reader), each for FUZZ_SECONDS (60), from seed
-# corpora made here (the project's tiny pickle and config files). Installs
+# corpora made here (tiny pickles, one with two devices on expandable
+# segments ending in an oom; the stored real recordings; the config
+# files). Installs
 # Debian's clang when run as root and it is missing. Prints, per target, the
 # runs made and whether it found a crash (saved as build-fuzz/crash-*).
 #
@@ -45,7 +47,33 @@ snap = {"segments": [seg], "device_traces": [trace], "allocator_settings": {"PYT
 for proto in (2, 4, 5):
     with open(os.path.join(out, f"tiny{proto}.pickle"), "wb") as f:
         pickle.dump(snap, f, protocol=proto)
+# Two devices, device 1 on expandable segments (segment_map / segment_unmap),
+# a block live before recording began, and an oom on device 1.
+exp = {"device": 1, "address": 1 << 30, "total_size": 20 << 20, "allocated_size": 4 << 20,
+       "requested_size": 4 << 20, "stream": 0, "segment_type": "large", "is_expandable": True,
+       "blocks": [{"address": 1 << 30, "size": 4 << 20, "requested_size": 4 << 20, "state": "active_allocated",
+                   "frames": []},
+                  {"address": (1 << 30) + (4 << 20), "size": 16 << 20, "requested_size": 0, "state": "inactive",
+                   "frames": []}]}
+trace1 = [{"action": "segment_map", "addr": (1 << 30) + (20 << 20), "size": 2 << 20, "stream": 0, "time_us": 1,
+           "frames": []},
+          {"action": "alloc", "addr": (1 << 30) + (4 << 20), "size": 8 << 20, "stream": 0, "time_us": 2, "frames": []},
+          {"action": "free_requested", "addr": (1 << 30) + (4 << 20), "size": 8 << 20, "stream": 0, "time_us": 3,
+           "frames": []},
+          {"action": "free_completed", "addr": (1 << 30) + (4 << 20), "size": 8 << 20, "stream": 0, "time_us": 4,
+           "frames": []},
+          {"action": "segment_unmap", "addr": (1 << 30) + (20 << 20), "size": 2 << 20, "stream": 0, "time_us": 5,
+           "frames": []},
+          {"action": "oom", "addr": 0, "size": 80 << 30, "stream": 0, "time_us": 6, "device_free": 1 << 20,
+           "frames": []}]
+multi = {"segments": [seg, exp], "device_traces": [trace, trace1],
+         "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+with open(os.path.join(out, "two_devices_expandable.pickle"), "wb") as f:
+    pickle.dump(multi, f, protocol=4)
 PY
+# The stripped real recordings (tests/data/recordings) and the files fuzzing
+# found before, as seeds too.
+cp tests/data/recordings/*.pickle tests/data/fuzz/*.pickle "$FUZZ_BUILD/corpus/snapshot/"
 mkdir -p "$FUZZ_BUILD/corpus/config"
 cp tests/data/*.json "$FUZZ_BUILD/corpus/config/"
 

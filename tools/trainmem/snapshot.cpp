@@ -158,8 +158,10 @@ nlohmann::json oom_json(const SnapshotOom& o) {
 // One device of the recording: its replay and its what-ifs.
 struct DeviceRun {
   int64_t device = 0;
-  const Snapshot* snap = nullptr;
-  std::optional<Snapshot> own;  // the device's part, when the recording has several
+  // The device's part, when the recording has several (else the whole
+  // recording is the device's). Held by value: a pointer into it
+  // would dangle once the run is moved into its vector.
+  std::optional<Snapshot> own;
   SnapshotReplay replay;
   std::vector<SnapshotWhatIf> what_if;
   int64_t what_if_device_bytes = 0;
@@ -197,10 +199,10 @@ std::vector<DeviceRun> run_devices(const Snapshot& snap, const CudaAllocatorConf
     DeviceRun d;
     d.device = dev;
     if (devices.size() > 1) d.own = device_snapshot(snap, dev);
-    d.snap = d.own ? &*d.own : &snap;
-    d.replay = replay_snapshot(*d.snap, recorded_config);
+    const Snapshot& part = d.own ? *d.own : snap;
+    d.replay = replay_snapshot(part, recorded_config);
     d.what_if_device_bytes = device_bytes > 0 ? device_bytes : d.replay.oom ? d.replay.oom->device_total_bytes : 0;
-    d.what_if = what_if_snapshot(*d.snap, confs, d.what_if_device_bytes);
+    d.what_if = what_if_snapshot(part, confs, d.what_if_device_bytes);
     out.push_back(std::move(d));
   }
   return out;
@@ -298,7 +300,7 @@ void add_snapshot_command(CLI::App& app) {
       const std::string title = runs.size() > 1
           ? "snapshot " + f->input + ", device " + std::to_string(d.device) + " of " + std::to_string(runs.size())
           : "snapshot " + f->input;
-      print_text(title, *d.snap, d.replay, d.what_if, d.what_if_device_bytes);
+      print_text(title, d.own ? *d.own : snap, d.replay, d.what_if, d.what_if_device_bytes);
     }
     if (other) {
       std::cout << "diff " << f->diff << " - " << f->input << ": peak reserved "
