@@ -71,9 +71,11 @@ multi = {"segments": [seg, exp], "device_traces": [trace, trace1],
 with open(os.path.join(out, "two_devices_expandable.pickle"), "wb") as f:
     pickle.dump(multi, f, protocol=4)
 PY
-# The stripped real recordings (tests/data/recordings) and the files fuzzing
-# found before, as seeds too.
-cp tests/data/recordings/*.pickle tests/data/fuzz/*.pickle "$FUZZ_BUILD/corpus/snapshot/"
+# The stripped real recordings under 100 KiB (tests/data/recordings; the
+# larger ones slow each run a hundredfold) and the files fuzzing found
+# before, as seeds too.
+find tests/data/recordings -name '*.pickle' -size -100k -exec cp {} "$FUZZ_BUILD/corpus/snapshot/" \;
+cp tests/data/fuzz/*.pickle "$FUZZ_BUILD/corpus/snapshot/"
 mkdir -p "$FUZZ_BUILD/corpus/config"
 cp tests/data/*.json "$FUZZ_BUILD/corpus/config/"
 
