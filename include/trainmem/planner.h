@@ -128,8 +128,11 @@ struct StepPeak {
 /// copies, oneDNN and convolution scratch by probe, checkpoints' RNG stashes,
 /// wrapped scalars). A tensor `loss_fn` makes without a device (a causal
 /// mask from torch::ones({T, T}), torch::arange(T)) lands on meta, as on
-/// the CPU it would land where the step runs, and is counted. Throws, naming
-/// it, if a parameter is not on meta.
+/// the CPU it would land where the step runs, and is counted. The module's
+/// gradients and buffers and the optimizer's state are as they were
+/// afterwards, also when `loss_fn`, the backward or the optimizer's step
+/// throws (Note [Predictions leave no trace]). Throws, naming it, if a
+/// parameter is not on meta.
 ///
 /// Example:
 /// ```
