@@ -248,6 +248,7 @@ torch::jit::Stack map_tensors(const torch::jit::Stack& args, F&& f) {
 }
 
 std::string bytes_hex(const at::Tensor& t) {
+  c10::impl::ExcludeDispatchKeyGuard unseen(kInterceptKey);  // trainmem's own read: no handler sees it
   const auto c = t.contiguous();
   const auto* p = static_cast<const unsigned char*>(c.const_data_ptr());
   std::string s;
