@@ -1020,13 +1020,26 @@ TEST(MetaKernelTest, BadShapesOnMetaNameTheValues) {
 }
 
 TEST(MetaKernelTest, FindsTheOpWithNoMetaKernel) {
+  // An op with a CPU kernel only (histc) runs on meta through the fallback
+  // (Note [A meta path for ops without a meta kernel]); one whose output's
+  // shape depends on values cannot, and is named.
+  EXPECT_FALSE(trainmem::find_missing_meta_kernel([] {
+    at::histc(at::empty({4, 5}, at::TensorOptions().device(at::kMeta)), 10);
+  }).has_value());
   auto missing = trainmem::find_missing_meta_kernel([] {
     auto x = at::empty({4, 5}, at::TensorOptions().device(at::kMeta));
-    at::histc(x, 10);
+    at::nonzero(x);
   });
   ASSERT_TRUE(missing.has_value());
-  EXPECT_EQ(missing->op, "aten::histc") << missing->message;
-  EXPECT_NE(missing->message.find("Meta"), std::string::npos) << missing->message;
+  EXPECT_EQ(missing->op, "aten::nonzero") << missing->message;
+  EXPECT_NE(missing->message.find("has no meta kernel"), std::string::npos) << missing->message;
+  // LibTorch's own wording, for an op with no CPU kernel either (CUDA only).
+  auto cuda_only = trainmem::find_missing_meta_kernel([] {
+    at::_fused_dropout(at::empty({4, 5}, at::TensorOptions().device(at::kMeta)), 0.5);
+  });
+  ASSERT_TRUE(cuda_only.has_value());
+  EXPECT_EQ(cuda_only->op, "aten::_fused_dropout") << cuda_only->message;
+  EXPECT_NE(cuda_only->message.find("Meta"), std::string::npos) << cuda_only->message;
   // A conv net's whole step runs on meta: nothing is missing.
   std::shared_ptr<MnistNetImpl> net;
   {

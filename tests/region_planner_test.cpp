@@ -159,10 +159,12 @@ TEST(RegionPlannerTest, GptAsRegions) {
                         gpt->forward(tokens)));
 }
 
-// A region with an op that has no meta kernel (cdist with p = 1 runs
-// aten::_cdist_forward, CPU and CUDA only): named, profiled on CPU at the
-// planned shapes; the plan is still made, fits and runs.
-TEST(RegionPlannerTest, RegionWithoutMetaKernelIsProfiledOnCpu) {
+// A region with an op that has no Meta kernel of LibTorch's (cdist with p = 1
+// runs aten::_cdist_forward, CPU and CUDA only): it runs on meta through the
+// fallback (Note [A meta path for ops without a meta kernel]), so nothing is
+// profiled on CPU; the plan is made, fits and runs. (Before the fallback this
+// region was profiled on CPU, named as aten::_cdist_forward.)
+TEST(RegionPlannerTest, RegionWithoutMetaKernelRunsOnMetaThroughTheFallback) {
   torch::manual_seed(0);
   torch::nn::Linear in(32, 32), out(16, 32);
   // Its weight: 16 centers of 32 (no bias: the region does not use one, and
@@ -185,11 +187,34 @@ TEST(RegionPlannerTest, RegionWithoutMetaKernelIsProfiledOnCpu) {
   m.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
   m.optimizer = &opt;
   const auto plan = trainmem::plan_regions(m);
+  EXPECT_TRUE(plan.cpu_fallbacks.empty()) << to_string(plan);
+  check_model("cdist", *holder, m, &opt);
+}
+
+// A region whose op's output shape depends on values (masked_select), which
+// no meta kernel can give: named, profiled on CPU at the planned shapes; the
+// plan is still made, fits and runs.
+TEST(RegionPlannerTest, RegionWithADataDependentOpIsProfiledOnCpu) {
+  torch::manual_seed(0);
+  torch::nn::Linear in(32, 32), mid(32, 32), out(32, 32);
+  torch::nn::Sequential holder(in, mid, out);
+  torch::optim::SGD opt(holder->parameters(), torch::optim::SGDOptions(1e-5).momentum(0.9));
+  RegionModel m;
+  m.regions.emplace_back(in);
+  m.regions.emplace_back(
+      "positive part",
+      [mid](const at::Tensor& x) mutable { return mid->forward(x) + at::masked_select(x, x > 0).mean(); },
+      std::vector<std::shared_ptr<torch::nn::Module>>{mid.ptr()});
+  m.regions.emplace_back(out);
+  m.input = [](c10::Device device) { return at::randn({256, 32}, at::TensorOptions().device(device)); };
+  m.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
+  m.optimizer = &opt;
+  const auto plan = trainmem::plan_regions(m);
   ASSERT_EQ(plan.cpu_fallbacks.size(), 1u) << to_string(plan);
   EXPECT_EQ(plan.cpu_fallbacks[0].region, 1);
-  EXPECT_EQ(plan.cpu_fallbacks[0].op, "aten::_cdist_forward") << plan.cpu_fallbacks[0].reason;
+  EXPECT_EQ(plan.cpu_fallbacks[0].op, "aten::masked_select") << plan.cpu_fallbacks[0].reason;
   std::cout << "fallback: " << plan.cpu_fallbacks[0].op << ": " << plan.cpu_fallbacks[0].reason << "\n";
-  check_model("cdist", *holder, m, &opt);
+  check_model("masked_select", *holder, m, &opt);
 }
 
 // The reference transformer is a client of plan_regions: its plans are the

@@ -113,7 +113,17 @@ class TRAINMEM_API MetaInitGuard {
 /// their packed-sequence forms through the CPU branch of the composite
 /// layers (every step's input projection at once); saved tensors, layouts
 /// and peaks equal the CPU's. A CUDA prediction keeps the composite path
-/// (cuDNN's RNN is neither). Idempotent; MetaInitGuard and to_meta() call
+/// (cuDNN's RNN is neither). Every other ATen op with a CPU kernel and no
+/// Meta or composite kernel (where, abs.out under logsumexp, logical_and,
+/// full max/min, std, var, dot, flip, cdist, ...) gets one generic meta
+/// kernel: the op's CPU kernel run once per distinct call on zero-filled CPU
+/// stand-ins of the meta arguments (1 GiB at most; pointwise ops above it on
+/// a shrunk shape), whose outputs' sizes, strides, dtypes and storage bytes,
+/// and scratch, the meta call reproduces; an op whose output shape depends on
+/// values (nonzero, unique, masked_select, `.item()`) throws
+/// c10::NotImplementedError "trainmem: aten::nonzero has no meta kernel and
+/// its output shape depends on values" (docs/design.md, Note [A meta path for
+/// ops without a meta kernel]). Idempotent; MetaInitGuard and to_meta() call
 /// it. Call it yourself before running a forward on meta tensors made
 /// otherwise.
 TRAINMEM_API void register_meta_kernels();
@@ -134,8 +144,9 @@ struct MissingMetaKernel {
 /// arguments from the 'Meta' backend", "aten::x: attempted to run this
 /// operator with Meta tensors, but there was no fake impl or Meta kernel
 /// registered", or, from a composite kernel, "x_overrideable not
-/// implemented"; any c10::NotImplementedError counts, with `op` "" if it names
-/// none), or nullopt if `run` returned. Any other error propagates; an op
+/// implemented"; register_meta_kernels()'s generic kernel "trainmem: aten::x
+/// has no meta kernel and ..."; any c10::NotImplementedError counts, with
+/// `op` "" if it names none), or nullopt if `run` returned. Any other error propagates; an op
 /// that gets both a meta tensor and a CPU one (not a 0-dim scalar) throws,
 /// naming it: the module was left on CPU. A planner uses it to fall back to
 /// profiling that region on CPU at the planned shapes instead of failing

@@ -128,8 +128,11 @@ struct StepPeak {
 /// copies, oneDNN and convolution scratch by probe, checkpoints' RNG stashes,
 /// wrapped scalars). A tensor `loss_fn` makes without a device (a causal
 /// mask from torch::ones({T, T}), torch::arange(T)) lands on meta, as on
-/// the CPU it would land where the step runs, and is counted. Throws, naming
-/// it, if a parameter is not on meta.
+/// the CPU it would land where the step runs, and is counted. The module's
+/// gradients and buffers and the optimizer's state are as they were
+/// afterwards, also when `loss_fn`, the backward or the optimizer's step
+/// throws (Note [Predictions leave no trace]). Throws, naming it, if a
+/// parameter is not on meta.
 ///
 /// Example:
 /// ```
@@ -318,7 +321,7 @@ struct PlanOptions {
 /// of its ops has no meta kernel. Plain data.
 struct CpuFallback {
   int64_t region = 0; ///< its index
-  std::string op;     ///< the op without a meta kernel, e.g. "aten::_cdist_forward"
+  std::string op;     ///< the op without a meta kernel, e.g. "aten::nonzero"
   std::string reason; ///< the error's first line
 };
 
@@ -524,10 +527,12 @@ struct TRAINMEM_API RegionModel {
 /// gradients, optimizer state); or already on meta (built under a
 /// MetaInitGuard). Regions with equal keys on equal input shapes are
 /// profiled once, so a stack of identical blocks costs one block's
-/// profiling. A region with an op that has no meta kernel is profiled on CPU
-/// at the planned shapes (a meta region model gets zero-filled CPU tensors
-/// for that) and listed in `cpu_fallbacks` with the op; the plan never fails
-/// for it. A checkpoint or selective choice that cannot run (a region that
+/// profiling. A region with an op that has no meta path (one whose output
+/// shape depends on values: nonzero, masked_select; meta.h's
+/// register_meta_kernels() gives every other op with a CPU kernel one) is
+/// profiled on CPU at the planned shapes (a meta region model gets
+/// zero-filled CPU tensors for that) and listed in `cpu_fallbacks` with the
+/// op; the plan never fails for it. A checkpoint or selective choice that cannot run (a region that
 /// starts by writing its input in place, e.g. ReLU(inplace)) is never made
 /// and is listed in `unavailable` with the op. Throws if the model is empty,
 /// a callback is missing, or the loss is not a scalar.

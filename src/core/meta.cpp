@@ -40,6 +40,7 @@
 
 #include "detail/conv_scratch.h"
 #include "core/detail/cpu_probe.h"
+#include "core/detail/meta_fallback.h"
 #include "detail/intercept.h"
 #include "trainmem/allocator.h"
 #include "detail/process_library.h"
@@ -735,6 +736,8 @@ void register_missing_meta_kernels() {
       add("aten::binary_cross_entropy_backward", "", TORCH_FN(binary_cross_entropy_backward_meta));
       add("aten::_amp_foreach_non_finite_check_and_unscale_", "", TORCH_FN(amp_unscale_meta));
       add("aten::_amp_update_scale_", "", TORCH_FN(amp_update_scale_meta));
+      // Last: every other op with a CPU kernel (Note [A meta path for ops without a meta kernel]).
+      detail::register_meta_fallback();
     } catch (const std::exception& e) {
       TORCH_WARN("trainmem: could not add meta kernels (", e.what(), "); ops without one throw on meta");
     }
@@ -765,6 +768,9 @@ namespace {
 // impl or Meta kernel registered", and a composite kernel's
 // "x_overrideable not implemented" (convolution before ours).
 std::string op_without_meta_kernel(const std::string& m) {
+  if (auto refused = detail::meta_fallback_refused_op(m); !refused.empty()) {
+    return refused;  // Note [A meta path for ops without a meta kernel]
+  }
   const std::string quoted = "Could not run '";
   if (auto at = m.find(quoted); at != std::string::npos && m.find("'Meta' backend") != std::string::npos) {
     const auto start = at + quoted.size();

@@ -52,6 +52,7 @@
 #include "detail/backward_on_meta.h"
 #include "detail/intercept.h"
 #include "core/detail/autocast_on_meta.h"
+#include "core/detail/meta_fallback.h"
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "detail/optimizer_state.h"
@@ -129,6 +130,11 @@ namespace {
 // The op a NotImplementedError names: "Could not run 'aten::foo' with
 // arguments from the 'Meta' backend", or "foo not implemented".
 std::string missing_op(const std::string& what) {
+  // "trainmem: aten::nonzero has no meta kernel and ...": Note [A meta path
+  // for ops without a meta kernel].
+  if (auto refused = detail::meta_fallback_refused_op(what); !refused.empty()) {
+    return refused;
+  }
   const std::string quoted = "Could not run '";
   if (auto a = what.find(quoted); a != std::string::npos) {
     a += quoted.size();
