@@ -224,118 +224,135 @@ void Audit::Impl::classify_step_events(const std::vector<detail::RecordedEvent>&
         MemoryEvent{f.time_ns - origin_ns, f.bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
   }
   make_event_room(raw.size() + synthetic.size());
-  // A free `e` (its phase set) paired with its allocation `a`: the pair's
-  // category is decided now, unless the allocation's is final.
-  auto close_pair = [&](MemoryEvent& a, bool final, MemoryEvent e) {
-    if (!final) {
-      a.category = category_of_freed(a, e.time_ns);
-    }
-    e.category = a.category;
-    push_event(e);
-  };
-  auto handle = [&](MemoryEvent e, bool adoption) {
-    e.phase = phase_at(e.time_ns);
-    if (adoption) {
-      // An adoption: its category is set; an alloc stays open until freed.
-      if (e.address != 0 && e.bytes > 0 && push_event(e)) {
-        live[e.address] = Alloc{timeline.events.size() - 1, true};
-      } else if (e.address == 0) {
-        push_event(e);
-      }
-      return;
-    }
-    if (e.bytes > 0) {
-      if (push_event(e)) {
-        live[e.address] = Alloc{timeline.events.size() - 1, false};
-      }
-      return;
-    }
-    if (auto it = live.find(e.address); it != live.end()) {
-      const Alloc open = it->second;
-      live.erase(it);
-      close_pair(timeline.events[open.event], open.final, e);
-      return;
-    }
-    if (auto k = known.find(e.address); k != known.end()) {
-      e.category = k->second;
-      known.erase(k);
-    } else {
-      return;  // its allocation was dropped (the log was full): nothing to pair
-    }
-    push_event(e);
-  };
-  auto from_raw = [&](const detail::RecordedEvent& r) {
-    MemoryEvent e;
-    e.time_ns = r.time_ns - origin_ns;
-    e.bytes = r.bytes;
-    e.address = r.address;
-    e.category = Category::kUnknown;
-    e.step = step_index;
-    return e;
-  };
   const auto by_time = [](const auto& a, const auto& b) { return a.time_ns < b.time_ns; };
   if (synthetic.empty() && std::is_sorted(raw.begin(), raw.end(), by_time)) {
-    // The usual step: one thread's events, already in time order. Most
-    // blocks are made and freed among them: those pair by the log's
-    // numbers, with no lookup (about a fifth of the classification's
-    // instructions went to `live`); what was made before goes through
-    // `live`, and what outlives them joins it.
-    constexpr size_t kNone = SIZE_MAX;
-    const auto first_made = std::find_if(raw.begin(), raw.end(), [](const auto& r) { return r.bytes > 0; });
-    const int64_t first = first_made == raw.end() ? INT64_MAX : first_made->seq;
-    auto& made = made_log;  // by seq - first: the allocation's event, or kNone
-    made.clear();
-    for (const auto& r : raw) {
-      const int64_t k = r.seq >= first ? r.seq - first : -1;  // -1: made before these events
-      if (r.bytes > 0 && k >= 0) {
-        MemoryEvent e = from_raw(r);
-        e.phase = phase_at(e.time_ns);
-        made.resize(std::max(made.size(), static_cast<size_t>(k)), kNone);  // a number lost to a failed push
-        made.push_back(push_event(e) ? timeline.events.size() - 1 : kNone);
-      } else if (r.bytes < 0 && k >= 0 && k < static_cast<int64_t>(made.size())) {
-        auto& slot = made[static_cast<size_t>(k)];
-        if (slot == kNone) {
-          continue;  // its allocation was dropped (the log was full): nothing to pair
-        }
-        MemoryEvent e = from_raw(r);
-        e.phase = phase_at(e.time_ns);
-        close_pair(timeline.events[slot], false, e);
-        slot = kNone;
-      } else {
-        handle(from_raw(r), false);
-      }
-    }
-    for (const size_t i : made) {
-      if (i != kNone) {
-        live[timeline.events[i].address] = Alloc{i, false};
-      }
-    }
+    add_events_in_order(raw);
   } else {
-    // The recorder's events and this step's adoptions, in time order.
-    std::vector<MemoryEvent> all;
-    all.reserve(raw.size() + synthetic.size());
-    for (const auto& r : raw) {
-      all.push_back(from_raw(r));
+    add_events_merged(raw);
+  }
+  name_survivors();
+}
+
+// A free `e` (its phase set) paired with its allocation `a`: the pair's
+// category is decided now, unless the allocation's is final.
+void Audit::Impl::close_pair(MemoryEvent& a, bool final, MemoryEvent e) {
+  if (!final) {
+    a.category = category_of_freed(a, e.time_ns);
+  }
+  e.category = a.category;
+  push_event(e);
+}
+
+// One event of the step, in time order: an allocation opens in `live`, a
+// free closes its allocation there or an adopted block in `known`.
+void Audit::Impl::add_event(MemoryEvent e, bool adoption) {
+  e.phase = phase_at(e.time_ns);
+  if (adoption) {
+    // An adoption: its category is set; an alloc stays open until freed.
+    if (e.address != 0 && e.bytes > 0 && push_event(e)) {
+      live[e.address] = Alloc{timeline.events.size() - 1, true};
+    } else if (e.address == 0) {
+      push_event(e);
     }
-    const size_t num_raw = all.size();
-    all.insert(all.end(), synthetic.begin(), synthetic.end());
-    synthetic.clear();
-    std::vector<size_t> order(all.size());
-    for (size_t i = 0; i < order.size(); ++i) {
-      order[i] = i;
+    return;
+  }
+  if (e.bytes > 0) {
+    if (push_event(e)) {
+      live[e.address] = Alloc{timeline.events.size() - 1, false};
     }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return all[a].time_ns < all[b].time_ns; });
-    for (const size_t i : order) {
-      handle(all[i], i >= num_raw);
+    return;
+  }
+  if (auto it = live.find(e.address); it != live.end()) {
+    const Alloc open = it->second;
+    live.erase(it);
+    close_pair(timeline.events[open.event], open.final, e);
+    return;
+  }
+  if (auto k = known.find(e.address); k != known.end()) {
+    e.category = k->second;
+    known.erase(k);
+  } else {
+    return;  // its allocation was dropped (the log was full): nothing to pair
+  }
+  push_event(e);
+}
+
+MemoryEvent Audit::Impl::from_raw(const detail::RecordedEvent& r) const {
+  MemoryEvent e;
+  e.time_ns = r.time_ns - origin_ns;
+  e.bytes = r.bytes;
+  e.address = r.address;
+  e.category = Category::kUnknown;
+  e.step = step_index;
+  return e;
+}
+
+// The usual step: one thread's events, already in time order. Most
+// blocks are made and freed among them: those pair by the log's
+// numbers, with no lookup (about a fifth of the classification's
+// instructions went to `live`); what was made before goes through
+// `live`, and what outlives them joins it.
+void Audit::Impl::add_events_in_order(const std::vector<detail::RecordedEvent>& raw) {
+  constexpr size_t kNone = SIZE_MAX;
+  const auto first_made = std::find_if(raw.begin(), raw.end(), [](const auto& r) { return r.bytes > 0; });
+  const int64_t first = first_made == raw.end() ? INT64_MAX : first_made->seq;
+  auto& made = made_log;  // by seq - first: the allocation's event, or kNone
+  made.clear();
+  for (const auto& r : raw) {
+    const int64_t k = r.seq >= first ? r.seq - first : -1;  // -1: made before these events
+    if (r.bytes > 0 && k >= 0) {
+      MemoryEvent e = from_raw(r);
+      e.phase = phase_at(e.time_ns);
+      made.resize(std::max(made.size(), static_cast<size_t>(k)), kNone);  // a number lost to a failed push
+      made.push_back(push_event(e) ? timeline.events.size() - 1 : kNone);
+    } else if (r.bytes < 0 && k >= 0 && k < static_cast<int64_t>(made.size())) {
+      auto& slot = made[static_cast<size_t>(k)];
+      if (slot == kNone) {
+        continue;  // its allocation was dropped (the log was full): nothing to pair
+      }
+      MemoryEvent e = from_raw(r);
+      e.phase = phase_at(e.time_ns);
+      close_pair(timeline.events[slot], false, e);
+      slot = kNone;
+    } else {
+      add_event(from_raw(r), false);
     }
   }
-  // What survives the step gets its final category now. In a loop's
-  // steady state that is the new gradients alone: an optimizer's
-  // parameter's gradient is GRADIENT in owners() too (its parameters are
-  // the audited modules' or optimized inputs, add_optimizer() checks), so
-  // they are named from the optimizers, and owners() (a walk over every
-  // module, about 0.5 % of a step of small ops) is made only for the rest.
+  for (const size_t i : made) {
+    if (i != kNone) {
+      live[timeline.events[i].address] = Alloc{i, false};
+    }
+  }
+}
+
+// The recorder's events and this step's adoptions, in time order.
+void Audit::Impl::add_events_merged(const std::vector<detail::RecordedEvent>& raw) {
+  std::vector<MemoryEvent> all;
+  all.reserve(raw.size() + synthetic.size());
+  for (const auto& r : raw) {
+    all.push_back(from_raw(r));
+  }
+  const size_t num_raw = all.size();
+  all.insert(all.end(), synthetic.begin(), synthetic.end());
+  synthetic.clear();
+  std::vector<size_t> order(all.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    order[i] = i;
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return all[a].time_ns < all[b].time_ns; });
+  for (const size_t i : order) {
+    add_event(all[i], i >= num_raw);
+  }
+}
+
+// What survives the step gets its final category now. In a loop's
+// steady state that is the new gradients alone: an optimizer's
+// parameter's gradient is GRADIENT in owners() too (its parameters are
+// the audited modules' or optimized inputs, add_optimizer() checks), so
+// they are named from the optimizers, and owners() (a walk over every
+// module, about 0.5 % of a step of small ops) is made only for the rest.
+void Audit::Impl::name_survivors() {
   std::vector<uint64_t> grads;
   for (const auto& opt : optimizers) {
     if (opt.retired) {

@@ -274,6 +274,12 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   Category category_of_freed(const MemoryEvent& a, int64_t free_ns) const;
   Category category_of_live(const MemoryEvent& a, const std::unordered_map<uint64_t, Category>& own) const;
   void classify_step_events(const std::vector<detail::RecordedEvent>& raw);
+  void close_pair(MemoryEvent& a, bool final, MemoryEvent e);
+  void add_event(MemoryEvent e, bool adoption);
+  MemoryEvent from_raw(const detail::RecordedEvent& r) const;
+  void add_events_in_order(const std::vector<detail::RecordedEvent>& raw);
+  void add_events_merged(const std::vector<detail::RecordedEvent>& raw);
+  void name_survivors();
 
   // audit.cpp: label() and set_category().
   void add_label(const at::Tensor& tensor, std::string name, Category category, bool bucket, const char* who);
