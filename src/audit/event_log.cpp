@@ -38,9 +38,9 @@ namespace {
 // on our VM writes eight, about 35 us or 0.8 % of the step (timed inside
 // the step, against a recycled log). So before a step's events are added
 // the log's next kPopulateBytes are populated at once
-// (madvise(MADV_POPULATE_WRITE), Linux 5.14+; elsewhere the writes fault as
-// before): about 2 us a page, paid once every few dozen steps. It is not
-// advised to transparent huge pages: where the kernel has no free
+// (madvise(MADV_POPULATE_WRITE), Linux 5.14+; elsewhere each page faults at
+// its first write): about 2 us a page, paid once every few dozen steps. It
+// is not advised to transparent huge pages: where the kernel has no free
 // huge page it compacts memory inside the fault (defrag "madvise", the
 // common default), stalls of a few milliseconds every few dozen steps that
 // hide from a median. With that advice the audited decoder's mean step cost
@@ -145,7 +145,7 @@ void Audit::Impl::make_event_room(size_t incoming) {
     const uintptr_t begin = populated_end & ~(kPage - 1);
     const uintptr_t end = std::min(std::max(need, begin + kPopulateBytes), limit) & ~(kPage - 1);
     if (end > begin && madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0) {
-      populate_log = false;  // a kernel before 5.14: first writes fault, as before
+      populate_log = false;  // a kernel before 5.14: each page faults at its first write
     }
     populated_end = std::max(populated_end, end);
   }

@@ -115,8 +115,8 @@ at::MemoryFormat conv_memory_format(const at::Tensor& input, const at::Tensor& w
 // allocator, and free it before they return: oneDNN's weight and gradient
 // reorders and scratchpads (ideep allocates through c10's CPU allocator), or
 // the slow path's im2col columns. Meta kernels that allocate only the outputs
-// miss it, and a conv net's predicted peak fell short of the CPU's by it
-// (MNIST -4.96 %: about 1 MB in conv2's backward; DCGAN's discriminator
+// miss it, and a conv net's predicted peak then falls short of the CPU's by
+// it (MNIST -4.96 %: about 1 MB in conv2's backward; DCGAN's discriminator
 // -11 %; ResNet-style -9 to -13 %). How much depends on the implementation
 // oneDNN picks for the shapes, the layouts and the thread count, which a
 // formula would chase from version to version; so the meta kernels measure
@@ -128,8 +128,8 @@ at::MemoryFormat conv_memory_format(const at::Tensor& input, const at::Tensor& w
 // thread count), cached for the process. A probe whose tensors would take
 // more than kMaxProbeBytes is skipped with one warning: its scratch is not
 // counted. Batch norm is probed the same way (Note [CPU batch norm
-// scratch]). TRAINMEM_CONV_SCRATCH=0 turns probing off (meta then allocates the
-// outputs only, as before), and a CUDA prediction turns it off on its thread
+// scratch]). TRAINMEM_CONV_SCRATCH=0 turns probing off (meta then allocates
+// the outputs only), and a CUDA prediction turns it off on its thread
 // (detail/conv_scratch.h: cuDNN's workspaces are not the CPU's).
 at::Tensor convolution_meta(const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
@@ -263,11 +263,11 @@ at::ScalarType batch_norm_param_dtype(const at::Tensor& input, const std::option
 // contiguous path (input and grad_out contiguous in one memory format, the
 // common case), allocates it again and drops the first, so for a moment two
 // input-sized tensors are live; the forward's statistics are made twice
-// (a few hundred bytes). With meta kernels that allocated the outputs only, a
-// conv + BatchNorm net's prediction was an input's size under the CPU's peak
-// wherever a BatchNorm backward was the peak: a checkpointed conv + BatchNorm
-// segment's recompute on 8 x 16 x 160 x 160 was 13 MB over its plan (issue
-// 22). The meta kernels measure it as the convolutions do: one probe per
+// (a few hundred bytes). Meta kernels that allocate the outputs only put a
+// conv + BatchNorm net's prediction an input's size under the CPU's peak
+// wherever a BatchNorm backward is the peak: a checkpointed conv + BatchNorm
+// segment's recompute on 8 x 16 x 160 x 160 then runs 13 MB over its plan.
+// The meta kernels measure it as the convolutions do: one probe per
 // distinct call on zero-filled CPU tensors (values do not change what the
 // kernel allocates), cached, held on meta while the outputs are allocated.
 // Running statistics given to a probe are copies: the model's are untouched.

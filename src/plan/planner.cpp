@@ -74,9 +74,9 @@ namespace trainmem {
 //   optimizer step       Z - input + G + AdamW transient
 // The step makes its input (RegionModel::input) and nothing holds it past
 // backward, which frees it with the graph: in the optimizer step it is gone,
-// as it is in predict_step_peak() and on CPU (counting it there put a conv
-// net with a large head, whose peak is Adam's step, an input over the CPU's,
-// 2,457,600 B at 8 x 3 x 160 x 160; issue 22).
+// as it is in predict_step_peak() and on CPU (counting it there would put a
+// conv net with a large head, whose peak is Adam's step, an input over the
+// CPU's: 2,457,600 B at 8 x 3 x 160 x 160).
 // Every term grows with S_i, so a dynamic program over block boundaries
 // whose state is S_i, keeping states no other beats in S, cost and peak
 // (Pareto), is exact for this model. The cheapest final state within the
@@ -167,13 +167,13 @@ std::string plan_name(const std::vector<BlockChoice>& blocks) {
 // A region's modules may hold parameters that require a gradient but that no
 // loss reaches (an encoder head the model does not use, attention blocks a
 // decoder skips): on the device they never get a gradient, and an optimizer
-// makes no state for them. The planner counted gradients and AdamW state for
-// every parameter that requires one: a U-Net with 626,991 such parameters
-// was planned 1.82 % over its measured step. So the whole step's forward and
-// backward run once on meta first, and only the parameters that then hold a
-// gradient count as trained. Where that run fails (an op without a meta
-// kernel: such regions are profiled on CPU), every parameter that requires a
-// gradient counts, as before.
+// makes no state for them. Counting gradients and AdamW state for every
+// parameter that requires one plans a U-Net with 626,991 such parameters
+// 1.82 % over its measured step. So the whole step's forward and backward
+// run once on meta first, and only the parameters that then hold a gradient
+// count as trained. Where that run fails (an op without a meta kernel: such
+// regions are profiled on CPU), every parameter that requires a gradient
+// counts.
 std::unordered_set<const c10::TensorImpl*> trained_params(const RegionModel& model,
                                                           const std::vector<at::Tensor>& params) {
   std::unordered_set<const c10::TensorImpl*> trained;
