@@ -86,7 +86,7 @@ TEST(RegionPlannerConvTest, MnistConvnet) {
   // Saved bytes are exact (3,401,220 B, as the Python oracle says). The
   // CPU's peak is inside conv2's convolution_backward, whose oneDNN kernel
   // allocates about 1 MB of scratch: the meta kernel measures it once on CPU
-  // (Note [CPU convolution scratch] in meta.cpp). Measured 2026-12-01:
+  // (Note [CPU convolution scratch] in meta_kernels.cpp). Measured 2026-12-01:
   // predicted 4,752,596 B, CPU 4,752,600 B (the loss scalar); -4.96 % before
   // the scratch was measured.
   check_model("MNIST convnet", *net, m, &sgd);
@@ -308,7 +308,7 @@ BudgetRun plan_at_fraction(const std::string& name, nn::Module& module, RegionMo
 
 // Checkpointed Conv + BatchNorm segments were under-predicted: the CPU's
 // native_batch_norm_backward allocates its grad_input twice on its
-// contiguous path (Note [CPU batch norm scratch] in meta.cpp), so a
+// contiguous path (Note [CPU batch norm scratch] in meta_kernels.cpp), so a
 // BatchNorm backward in a recompute was 13 MB (8 x 16 x 160 x 160 floats)
 // over the plan. Measured 2026-12-02 (2 threads), before: at 70 % a plan of
 // 46,902,656 B "fit" a 48,881,190 B budget and measured 55,182,016 B

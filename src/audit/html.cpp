@@ -133,9 +133,12 @@ std::string row(std::initializer_list<std::string> cells, bool header = false) {
   return out + "</tr>\n";
 }
 
-} // namespace
+std::string number_cell(int64_t v) {
+  return "<td class=\"n\">" + with_commas(v) + "</td>";
+}
 
-std::string to_html(const AuditReport& r) {
+// The page's head and title, and the run's settings.
+std::string head_html(const AuditReport& r) {
   std::string h =
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
@@ -154,7 +157,12 @@ std::string to_html(const AuditReport& r) {
     }
     h += "</p>\n";
   }
-  h += "<h2>Live bytes over time, by category</h2>\n";
+  return h;
+}
+
+// The live bytes over time, with and without the baseline when there is one.
+std::string plot_html(const AuditReport& r) {
+  std::string h = "<h2>Live bytes over time, by category</h2>\n";
   bool baseline = false;
   for (const auto& p : r.series) {
     baseline = baseline || p.bytes[static_cast<int>(Category::kBeforeAudit)] != 0;
@@ -168,9 +176,12 @@ std::string to_html(const AuditReport& r) {
   } else {
     h += svg_plot(r, true);
   }
+  return h;
+}
 
-  auto num = [](int64_t v) { return "<td class=\"n\">" + with_commas(v) + "</td>"; };
-  h += fmt::format("<h2>Static buckets ({} parameters)</h2>\n<table>\n", with_commas(r.num_params));
+std::string buckets_html(const AuditReport& r) {
+  const auto num = number_cell;
+  std::string h = fmt::format("<h2>Static buckets ({} parameters)</h2>\n<table>\n", with_commas(r.num_params));
   h += row({"bucket", "category", "bytes", ""}, true);
   for (const auto& b : r.buckets) {
     h += "<tr><td>" + detail::html_escape(b.name) + "</td><td>" + category_name(b.category) + "</td>" + num(b.bytes) +
@@ -178,8 +189,13 @@ std::string to_html(const AuditReport& r) {
   }
   h += "<tr><th>total</th><td></td>" + num(r.static_bytes()) + "<td>" + human_bytes(r.static_bytes()) +
        "</td></tr>\n</table>\n";
+  return h;
+}
 
-  h += "<h2>Steps</h2>\n<table>\n";
+// Each step, or the first three and a summary when there are more than kMaxStepRows.
+std::string steps_html(const AuditReport& r) {
+  const auto num = number_cell;
+  std::string h = "<h2>Steps</h2>\n<table>\n";
   h += row({"step", "time ms", "peak B", "forward peak B", "backward peak B", "optimizer peak B", "saved B"}, true);
   const bool summarize = static_cast<int64_t>(r.steps.size()) > kMaxStepRows;
   for (size_t i = 0; i < (summarize ? 3 : r.steps.size()); ++i) {
@@ -202,6 +218,13 @@ std::string to_html(const AuditReport& r) {
     }
   }
   h += "</table>\n";
+  return h;
+}
+
+// The categories live at the peak, when the timeline has them.
+std::string peak_html(const AuditReport& r) {
+  const auto num = number_cell;
+  std::string h;
   int64_t at_peak = 0;
   for (auto b : r.peak_by_category) {
     at_peak += b;
@@ -216,8 +239,13 @@ std::string to_html(const AuditReport& r) {
     }
     h += "</table>\n";
   }
+  return h;
+}
 
-  h += fmt::format("<h2>Saved for backward: {} B</h2>\n", with_commas(r.saved_activation_bytes));
+// The saved tensors, by autograd node, and the prediction beside them.
+std::string saved_html(const AuditReport& r) {
+  const auto num = number_cell;
+  std::string h = fmt::format("<h2>Saved for backward: {} B</h2>\n", with_commas(r.saved_activation_bytes));
   if (r.saved_host_bytes > 0) {
     h += fmt::format("<p>{} B stay on the device, {} B are offloaded to the host.</p>\n",
                      with_commas(r.saved_device_bytes), with_commas(r.saved_host_bytes));
@@ -235,9 +263,14 @@ std::string to_html(const AuditReport& r) {
                      with_commas(r.predicted_activation_bytes),
                      static_cast<double>(r.saved_activation_bytes) / static_cast<double>(r.predicted_activation_bytes));
   }
+  return h;
+}
 
+// The device's statistics, fragmentation, hints and notes.
+std::string device_html(const AuditReport& r) {
+  const auto num = number_cell;
   const auto& d = r.device_stats;
-  h += fmt::format("<h2>Device {}</h2>\n<table>\n", detail::html_escape(d.device));
+  std::string h = fmt::format("<h2>Device {}</h2>\n<table>\n", detail::html_escape(d.device));
   h += row({"", "now B", "peak B"}, true);
   h += "<tr><td>allocated</td>" + num(d.allocated_bytes) + num(d.peak_allocated_bytes) + "</tr>\n";
   h += "<tr><td>reserved</td>" + num(d.reserved_bytes) + num(d.peak_reserved_bytes) + "</tr>\n";
@@ -255,8 +288,14 @@ std::string to_html(const AuditReport& r) {
     }
     h += "</ul>\n";
   }
-  h += "</body>\n</html>\n";
   return h;
+}
+
+} // namespace
+
+std::string to_html(const AuditReport& r) {
+  return head_html(r) + plot_html(r) + buckets_html(r) + steps_html(r) + peak_html(r) + saved_html(r) +
+      device_html(r) + "</body>\n</html>\n";
 }
 
 } // namespace trainmem

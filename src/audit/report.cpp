@@ -386,7 +386,7 @@ void from_json(const Json& j, AuditReport& r) {
                     " to be true or false, but got ", s["metered"].dump());
         rec.metered = s["metered"].get<bool>();
       }
-      if (s.contains("repeats")) {  // reports before 2026-12-06 have none: none known
+      if (s.contains("repeats")) {  // optional: where absent, none is known
         rec.repeats = int_value(s["repeats"], "\"repeats\" of step " + std::to_string(rec.step), -1,
                                 std::max<int64_t>(rec.step - 1, -1));
         TORCH_CHECK(rec.repeats < 0 || !rec.metered, "report_from_json: step ", rec.step,

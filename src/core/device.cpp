@@ -110,7 +110,7 @@ void reset_peak(const c10::Device& device) {
 
 // Note [Fragmentation hints]
 // Slack is what the caching allocator holds but no tensor uses. Two causes
-// dominate in training (seed 000): many differently sized blocks (variable
+// dominate in training: many differently sized blocks (variable
 // sequence lengths) that split segments, and a growing batch that keeps
 // asking for larger segments. expandable_segments maps pages into one
 // growing segment instead of splitting; warming up on the longest batch

@@ -218,80 +218,44 @@ void protect_cached_storages(SelectiveCache& c, const c10::FunctionSchema& schem
   }
 }
 
-// One op inside a selective region; `scope` runs it further down.
-void selective_handle(RegionState* region, const detail::InterceptScope& scope,
-                      const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  const auto& schema = op.schema();
-  if (schema.name() == "aten::detach" || schema.name() == "prim::device") {
-    scope.call_next(op, ks, stack);
-    return;
-  }
-  SelectiveCache& c = *region->cache;
-  SelectiveOp sop;
-  sop.name = schema.name();
-  sop.overload = schema.overload_name().empty() ? "default" : schema.overload_name();
-  const size_t num_args = schema.arguments().size();
-  sop.inputs = c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_args, num_args);
-  const std::string key = sop.full_name();
-  SelectiveContext ctx{region->is_recompute};
-  SelectiveAccess::policy_call(c.stats.get(), ctx.is_recompute, key);
-  CheckpointPolicy policy = CheckpointPolicy::kPreferRecompute;
-  try {
-    policy = c.policy(ctx, sop);
-  } catch (const std::exception& e) {
-    TORCH_WARN("trainmem selective checkpoint: the policy threw for ", key, " (", e.what(),
-               "); recomputing it");
-  }
-  const bool keep = (is_save(policy) || is_offload(policy)) && !aliases_input(schema);
-
-  if (!region->is_recompute) {
-    if (schema.is_mutable()) {
-      protect_cached_storages(c, schema, *stack, num_args);
-    }
-    scope.call_next(op, ks, stack);
-    SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t) { ++n.num_forward; });
-    if (!keep) {
-      return;
-    }
-    const size_t num_returns = schema.returns().size();
-    CachedOutputs entry;
-    detail::StorageSet bytes;
-    std::vector<const c10::StorageImpl*> storages;
-    for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
-      const auto& out = (*stack)[i];
-      for_each_tensor(out, [&](const at::Tensor& t) {
-        entry.versions.push_back(t.defined() ? t._version() : 0);
-        entry.devices.push_back(t.defined() ? t.device() : c10::Device(at::kCPU));
-      });
-      entry.values.push_back(hold(out, is_offload(policy)));
-      for_each_tensor(entry.values.back(), [&](const at::Tensor& t) {
-        bytes.add(t);
-        if (t.defined() && t.has_storage()) {
-          storages.push_back(t.storage().unsafeGetStorageImpl());
-        }
-      });
-    }
-    {
-      std::lock_guard<std::mutex> lock(c.mutex);
-      auto& queue = c.cache[key];
-      for (auto* st : storages) {
-        c.by_storage.emplace(st, std::make_pair(key, queue.size()));
+// A kept op's outputs, run in the region's forward: held in the cache
+// (offloaded when the policy says so) for the recompute to replay.
+void cache_outputs(SelectiveCache& c, const std::string& key, CheckpointPolicy policy,
+                   const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+  const size_t num_returns = schema.returns().size();
+  CachedOutputs entry;
+  detail::StorageSet bytes;
+  std::vector<const c10::StorageImpl*> storages;
+  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    const auto& out = (*stack)[i];
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      entry.versions.push_back(t.defined() ? t._version() : 0);
+      entry.devices.push_back(t.defined() ? t.device() : c10::Device(at::kCPU));
+    });
+    entry.values.push_back(hold(out, is_offload(policy)));
+    for_each_tensor(entry.values.back(), [&](const at::Tensor& t) {
+      bytes.add(t);
+      if (t.defined() && t.has_storage()) {
+        storages.push_back(t.storage().unsafeGetStorageImpl());
       }
-      queue.push_back(std::move(entry));
+    });
+  }
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    auto& queue = c.cache[key];
+    for (auto* st : storages) {
+      c.by_storage.emplace(st, std::make_pair(key, queue.size()));
     }
-    SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t b) {
-      ++n.num_cached;
-      n.cached_bytes += b;
-    }, bytes.bytes());
-    return;
+    queue.push_back(std::move(entry));
   }
+  SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t b) {
+    ++n.num_cached;
+    n.cached_bytes += b;
+  }, bytes.bytes());
+}
 
-  if (!keep) {
-    scope.call_next(op, ks, stack);
-    SelectiveAccess::count(c.stats.get(), key,
-                           [](SelectiveOpCounts& n, int64_t) { ++n.num_recompute_executed; });
-    return;
-  }
+// A kept op in the recompute: its outputs are the forward's, from the cache.
+void replay_outputs(SelectiveCache& c, const std::string& key, torch::jit::Stack* stack, size_t num_args) {
   CachedOutputs* entry = nullptr;
   {
     std::lock_guard<std::mutex> lock(c.mutex);
@@ -331,6 +295,54 @@ void selective_handle(RegionState* region, const detail::InterceptScope& scope,
   entry->values.clear();
   entry->replayed = true;
   SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t) { ++n.num_replayed; });
+}
+
+// One op inside a selective region; `scope` runs it further down.
+void selective_handle(RegionState* region, const detail::InterceptScope& scope,
+                      const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  if (schema.name() == "aten::detach" || schema.name() == "prim::device") {
+    scope.call_next(op, ks, stack);
+    return;
+  }
+  SelectiveCache& c = *region->cache;
+  SelectiveOp sop;
+  sop.name = schema.name();
+  sop.overload = schema.overload_name().empty() ? "default" : schema.overload_name();
+  const size_t num_args = schema.arguments().size();
+  sop.inputs = c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_args, num_args);
+  const std::string key = sop.full_name();
+  SelectiveContext ctx{region->is_recompute};
+  SelectiveAccess::policy_call(c.stats.get(), ctx.is_recompute, key);
+  CheckpointPolicy policy = CheckpointPolicy::kPreferRecompute;
+  try {
+    policy = c.policy(ctx, sop);
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem selective checkpoint: the policy threw for ", key, " (", e.what(),
+               "); recomputing it");
+  }
+  const bool keep = (is_save(policy) || is_offload(policy)) && !aliases_input(schema);
+
+  if (!region->is_recompute) {
+    if (schema.is_mutable()) {
+      protect_cached_storages(c, schema, *stack, num_args);
+    }
+    scope.call_next(op, ks, stack);
+    SelectiveAccess::count(c.stats.get(), key, [](SelectiveOpCounts& n, int64_t) { ++n.num_forward; });
+    if (!keep) {
+      return;
+    }
+    cache_outputs(c, key, policy, schema, stack);
+    return;
+  }
+
+  if (!keep) {
+    scope.call_next(op, ks, stack);
+    SelectiveAccess::count(c.stats.get(), key,
+                           [](SelectiveOpCounts& n, int64_t) { ++n.num_recompute_executed; });
+    return;
+  }
+  replay_outputs(c, key, stack, num_args);
 }
 
 class RegionGuard : public detail::InterceptHandler {

@@ -29,9 +29,9 @@ namespace {
 // The intercept stack holds one reference to each argument of its own, so
 // "the only reference" is a use count of two.
 // predict_step_peak, the region planner and predict_cuda_step_peak all run
-// their meta backward under it (before issue 22 the CUDA prediction did not,
-// and its backward peaks were over-predicted by an accumulated gradient
-// wherever one was at the peak: a residual, a tied weight).
+// their meta backward under it (a meta backward without it over-predicts a
+// backward peak by an accumulated gradient wherever one is at the peak: a
+// residual, a tied weight).
 thread_local bool t_between_backward_nodes = false;
 
 std::unique_ptr<at::ObserverContext> on_node_start(const at::RecordFunction& /*fn*/) {

@@ -1,9 +1,10 @@
 #pragma once
 
-// Note [CPU convolution scratch] (src/core/meta.cpp): meta convolutions measure the
-// CPU kernels' scratch. A CUDA prediction replays meta allocations as CUDA
-// ones, whose convolution workspaces are cuDNN's, not the CPU's: it turns the
-// probe off on its thread for its duration.
+// Note [CPU convolution scratch] (src/core/meta_kernels.cpp): meta
+// convolutions measure the CPU kernels' scratch. A CUDA prediction replays
+// meta allocations as CUDA ones, whose convolution workspaces are cuDNN's,
+// not the CPU's: it turns the probe off on its thread for its duration
+// (src/core/cpu_probe.cpp holds the switch).
 
 namespace trainmem::detail {
 

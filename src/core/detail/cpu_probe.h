@@ -1,11 +1,12 @@
 #pragma once
 
 // Probes of CPU kernels for the meta kernels (Note [CPU convolution scratch]
-// in src/core/meta.cpp, Note [Meta RNNs follow the CPU's kernel] in
-// src/core/meta_rnn.cpp): an op runs once on zero-filled CPU tensors with the meta
-// tensors' sizes and strides, under the CPU tracker; what it allocated beyond
-// its outputs (its scratch) and its outputs' sizes, strides and dtypes are
-// kept for the process, per distinct call.
+// in src/core/meta_kernels.cpp, Note [Meta RNNs follow the CPU's kernel] in
+// src/core/meta_rnn.cpp), defined in src/core/cpu_probe.cpp: an op runs once
+// on zero-filled CPU tensors with the meta tensors' sizes and strides, under
+// the CPU tracker; what it allocated beyond its outputs (its scratch) and its
+// outputs' sizes, strides and dtypes are kept for the process, per distinct
+// call.
 
 #include <cstdint>
 #include <functional>

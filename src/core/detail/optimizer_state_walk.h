@@ -5,12 +5,13 @@
 // Note [One optimizer-state walk]
 // Two readers look into an optimizer's state: the accountant (account())
 // sums its bytes by field name, deduplicated by storage, and the audit
-// (audit.cpp) names its storages OPTIMIZER_STATE in the timeline. Both read
-// the same fields of the same LibTorch state types in the same order through
-// for_each_state_tensor(), so a type or field added here reaches both. A state
-// of any other type goes to `unknown`: the accountant reads it back through
-// its serialize() (copies: bytes are right, storages are not the live ones),
-// the audit passes none and classifies such state by when it was made.
+// (audit/storage_tables.cpp) names its storages OPTIMIZER_STATE in the
+// timeline. Both read the same fields of the same LibTorch state types in the
+// same order through for_each_state_tensor(), so a type or field added here
+// reaches both. A state of any other type goes to `unknown`: the accountant
+// reads it back through its serialize() (copies: bytes are right, storages
+// are not the live ones), the audit passes none and classifies such state by
+// when it was made.
 #include <functional>
 #include <string>
 

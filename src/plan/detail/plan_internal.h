@@ -164,7 +164,7 @@ class PlanningSwap {
     entries_.push_back(std::move(e));
   }
   // set_data() refuses a change of device; the shallow copy it would do is
-  // what we want (meta.cpp's to_meta() does the same).
+  // what we want (materialize.cpp's to_meta() does the same).
   static void adopt(const at::Tensor& t, const at::Tensor& from) {
     t.unsafeGetTensorImpl()->shallow_copy_from(from.getIntrusivePtr());
   }

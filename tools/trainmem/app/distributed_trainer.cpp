@@ -160,6 +160,55 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_rank_process_group(
 #endif
 }
 
+// The prediction of a rank's static bytes (fp32), set beside its audit.
+void set_static_prediction(DistributedAudit& audit, const DistributedTrainerOptions& o,
+                           const torch::nn::Module& model) {
+  const auto& t = o.trainer();
+  const int world = static_cast<int>(o.nproc());
+  const auto recipe = t.optimizer() == "sgd" ? Recipe::kFp32SGDMomentum : Recipe::kFp32AdamW;
+  const auto sharded =
+      shard_static_bytes(predict_static_bytes(model, recipe), ShardingOptions().zero_stage(0).world_size(world));
+  const auto& dp = o.data_parallel();
+  audit.set_prediction(
+      sharded.device_per_rank_bytes,
+      to_string(sharded) +
+          (dp.gradient_as_bucket_view()
+               ? "  DDP buckets: the gradients are views of them (gradient_as_bucket_view), 0 B beyond the "
+                 "gradients\n"
+               : "  DDP buckets, not in the formula: a flat copy of every gradient, as many bytes again as the "
+                 "gradients, for the whole run (gradient_as_bucket_view avoids it)\n"));
+}
+
+// Rank 0 leaves the run's report, its first step's gradients and its
+// losses in the store for the launcher.
+void publish_run(const DistributedTrainerOptions& o, DistributedReport& report, const std::vector<at::Tensor>& grads,
+                 const std::vector<double>& losses, c10d::Store& store) {
+  const auto& t = o.trainer();
+  const auto& mo = t.model();
+  const int world = static_cast<int>(o.nproc());
+  const int64_t shard_batch = mo.batch() / world;
+  const auto& dp = o.data_parallel();
+  report.config = {{"nproc", std::to_string(world)},
+                   {"batch", std::to_string(mo.batch())},
+                   {"shard_batch", std::to_string(shard_batch)},
+                   {"bucket_cap_bytes", std::to_string(dp.effective_bucket_cap_bytes())},
+                   {"first_bucket_cap_bytes", std::to_string(dp.effective_first_bucket_cap_bytes())},
+                   {"gradient_as_bucket_view", dp.gradient_as_bucket_view() ? "on" : "off"},
+                   {"optimizer", t.optimizer()},
+                   {"precision", precision_name(t.precision())},
+                   {"checkpoint", t.checkpoint()},
+                   {"steps", std::to_string(t.steps())}};
+  report.notes.push_back(
+      "Gloo's own transport buffers are allocated outside LibTorch's allocator and are not counted");
+  store.set(kReportKey, bytes_of(to_json(report, -1)));
+  store.set(kGradsKey, pack(grads));
+  std::string l;
+  for (double v : losses) {
+    l += fmt::format("{:.17g}\n", v);
+  }
+  store.set(kLossesKey, bytes_of(l));
+}
+
 // One rank, in its own process. Throws on any failure.
 void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive_ptr<c10d::Store>& store) {
   const auto& t = o.trainer();
@@ -176,10 +225,8 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   }
   auto pg = make_rank_process_group(o, rank, store);
 
-  const auto dtype = t.precision() == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
-  torch::manual_seed(t.seed());
-  Transformer model(mo);
-  model->to(device, dtype);
+  const auto dtype = detail::trainer_dtype(t);
+  Transformer model = detail::make_trainer_model(t, device);
   if (rank == o.fail_rank() && o.fail_mode() == "model") {
     torch::NoGradGuard no_grad;
     model->parameters().front().add_(1.0);
@@ -209,31 +256,14 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
                          AuditOptions().title("reference transformer").timeline(t.timeline()).meter_every(t.meter_every()));
   audit.set_data_parallel(ddp);
   auto& a = audit.audit();
-  a.set_config("layers", std::to_string(mo.num_layers()));
-  a.set_config("d_model", std::to_string(mo.d_model()));
-  a.set_config("heads", std::to_string(mo.num_heads()));
-  a.set_config("batch", std::to_string(shard_batch));
-  a.set_config("seq_len", std::to_string(mo.seq_len()));
-  a.set_config("optimizer", t.optimizer());
-  a.set_config("precision", precision_name(t.precision()));
+  detail::set_model_config(a, t, shard_batch);
   a.set_config("checkpoint", t.checkpoint());
   a.set_config("rank", std::to_string(rank));
   if (t.precision() == Precision::kFp32 && t.checkpoint() == "none") {
     a.set_predicted_activation_bytes(predicted_activation_bytes(TransformerOptions(mo).batch(shard_batch)));
   }
   if (t.precision() == Precision::kFp32) {
-    const auto recipe = t.optimizer() == "sgd" ? Recipe::kFp32SGDMomentum : Recipe::kFp32AdamW;
-    const auto sharded =
-        shard_static_bytes(predict_static_bytes(*model, recipe), ShardingOptions().zero_stage(0).world_size(world));
-    const auto& dp = o.data_parallel();
-    audit.set_prediction(
-        sharded.device_per_rank_bytes,
-        to_string(sharded) +
-            (dp.gradient_as_bucket_view()
-                 ? "  DDP buckets: the gradients are views of them (gradient_as_bucket_view), 0 B beyond the "
-                   "gradients\n"
-                 : "  DDP buckets, not in the formula: a flat copy of every gradient, as many bytes again as the "
-                   "gradients, for the whole run (gradient_as_bucket_view avoids it)\n"));
+    set_static_prediction(audit, o, *model);
   }
 
   detail::AutocastState autocast;
@@ -272,26 +302,7 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   auto report = audit.gather();
   if (rank == 0) {
     TORCH_INTERNAL_ASSERT(report.has_value());
-    const auto& dp = o.data_parallel();
-    report->config = {{"nproc", std::to_string(world)},
-                      {"batch", std::to_string(mo.batch())},
-                      {"shard_batch", std::to_string(shard_batch)},
-                      {"bucket_cap_bytes", std::to_string(dp.effective_bucket_cap_bytes())},
-                      {"first_bucket_cap_bytes", std::to_string(dp.effective_first_bucket_cap_bytes())},
-                      {"gradient_as_bucket_view", dp.gradient_as_bucket_view() ? "on" : "off"},
-                      {"optimizer", t.optimizer()},
-                      {"precision", precision_name(t.precision())},
-                      {"checkpoint", t.checkpoint()},
-                      {"steps", std::to_string(t.steps())}};
-    report->notes.push_back(
-        "Gloo's own transport buffers are allocated outside LibTorch's allocator and are not counted");
-    store->set(kReportKey, bytes_of(to_json(*report, -1)));
-    store->set(kGradsKey, pack(grads));
-    std::string l;
-    for (double v : losses) {
-      l += fmt::format("{:.17g}\n", v);
-    }
-    store->set(kLossesKey, bytes_of(l));
+    publish_run(o, *report, grads, losses, *store);
   }
   pg->barrier()->wait();
 }
@@ -365,6 +376,185 @@ std::pair<int, uint16_t> store_socket() {
     TORCH_CHECK(false, "train_distributed: cannot listen on 127.0.0.1 for the store: ", std::strerror(err));
   }
   return {fd, ntohs(addr.sin_port)};
+}
+
+// Kills and reaps the ranks started so far.
+void stop_ranks(const std::vector<pid_t>& pids) {
+  for (pid_t p : pids) {
+    ::kill(p, SIGKILL);
+    ::waitpid(p, nullptr, 0);
+  }
+}
+
+// Forks rank 0 .. nproc - 1, each running rank_main(). On a failed fork the
+// ranks started are stopped and it throws.
+std::vector<pid_t> fork_ranks(const DistributedTrainerOptions& o, int listen_fd, uint16_t port) {
+  const int world = static_cast<int>(o.nproc());
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(listen_fd);
+      rank_main(o, r, port);
+    }
+    if (pid < 0) {
+      const int err = errno;
+      stop_ranks(pids);
+      ::close(listen_fd);
+      TORCH_CHECK(false, "train_distributed: cannot start rank ", r, ": fork failed: ", std::strerror(err));
+    }
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+// The TCPStore server on the launcher's listening socket.
+c10::intrusive_ptr<c10d::TCPStore> host_store(const DistributedTrainerOptions& o, int listen_fd, uint16_t port,
+                                              const std::vector<pid_t>& pids) {
+  const int world = static_cast<int>(o.nproc());
+  c10d::TCPStoreOptions so;
+  so.port = port;
+  so.isServer = true;
+  so.numWorkers = static_cast<size_t>(world);
+  so.waitWorkers = false;
+  so.timeout = std::chrono::milliseconds(o.timeout_ms());
+  so.masterListenFd = listen_fd;  // the server takes the socket over
+  try {
+    return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  } catch (...) {
+    stop_ranks(pids);
+    throw;
+  }
+}
+
+bool any_failed(const std::vector<RankExit>& exits) {
+  for (const auto& e : exits) {
+    if (failed(e)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Waits until every rank has exited or one has failed; after a failure the
+// others are given a short grace, then killed.
+std::vector<RankExit> wait_for_ranks(const std::vector<pid_t>& pids) {
+  const int world = static_cast<int>(pids.size());
+  std::vector<RankExit> exits(static_cast<size_t>(world));
+  auto poll = [&] {
+    for (int r = 0; r < world; ++r) {
+      auto& e = exits[static_cast<size_t>(r)];
+      if (!e.exited && ::waitpid(pids[static_cast<size_t>(r)], &e.status, WNOHANG) > 0) {
+        e.exited = true;
+      }
+    }
+  };
+  auto all_exited = [&] {
+    for (const auto& e : exits) {
+      if (!e.exited) {
+        return false;
+      }
+    }
+    return true;
+  };
+  while (!all_exited() && !any_failed(exits)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    poll();
+  }
+  if (!any_failed(exits)) {
+    return exits;
+  }
+  // A short grace lets the others notice and report, then nobody is left running.
+  const auto grace_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (!all_exited() && std::chrono::steady_clock::now() < grace_end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    poll();
+  }
+  for (int r = 0; r < world; ++r) {
+    if (!exits[static_cast<size_t>(r)].exited) {
+      ::kill(pids[static_cast<size_t>(r)], SIGKILL);
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    auto& e = exits[static_cast<size_t>(r)];
+    if (!e.exited) {
+      ::waitpid(pids[static_cast<size_t>(r)], &e.status, 0);
+      e.exited = true;
+      e.message = "stopped by the launcher";
+      e.failure_seq = -1;
+    }
+  }
+  return exits;
+}
+
+// After a failure: names the rank that caused it, and how, and throws.
+[[noreturn]] void throw_rank_failure(std::vector<RankExit>& exits, c10d::TCPStore& server) {
+  const int world = static_cast<int>(exits.size());
+  // The cause: a rank that died without a word (killed, crashed), else the
+  // first failure reported.
+  int cause = -1;
+  for (int r = 0; r < world; ++r) {
+    auto& e = exits[static_cast<size_t>(r)];
+    if (e.failure_seq == -1 || !failed(e)) {
+      continue;
+    }
+    if (server.check({error_key(r)})) {
+      const auto v = server.get(error_key(r));
+      const std::string s(v.begin(), v.end());
+      const auto nl = s.find('\n');
+      e.failure_seq = std::stoll(s.substr(0, nl));
+      e.message = nl == std::string::npos ? "" : s.substr(nl + 1);
+    }
+  }
+  // A rank killed by SIGPIPE wrote to a peer that had died first (its
+  // socket closed): a consequence, named only when no other rank died
+  // silently (CI once named rank 0's SIGPIPE for rank 1's SIGKILL).
+  auto broken_pipe = [](const RankExit& e) { return WIFSIGNALED(e.status) && WTERMSIG(e.status) == SIGPIPE; };
+  for (int pass = 0; pass < 2 && cause < 0; ++pass) {
+    for (int r = 0; r < world && cause < 0; ++r) {
+      const auto& e = exits[static_cast<size_t>(r)];
+      if (failed(e) && e.failure_seq == 0 && (pass == 1 || !broken_pipe(e))) {
+        cause = r;
+      }
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    const auto& e = exits[static_cast<size_t>(r)];
+    if (failed(e) && e.failure_seq > 0 &&
+        (cause < 0 || (exits[static_cast<size_t>(cause)].failure_seq > 0 &&
+                       e.failure_seq < exits[static_cast<size_t>(cause)].failure_seq))) {
+      cause = r;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(cause >= 0);
+  const auto& e = exits[static_cast<size_t>(cause)];
+  std::string how;
+  if (WIFSIGNALED(e.status)) {
+    how = fmt::format("was killed by {}", signal_text(WTERMSIG(e.status)));
+  } else if (e.failure_seq > 0) {
+    how = "failed: " + e.message;
+  } else {
+    how = fmt::format("exited with status {} without a report", WEXITSTATUS(e.status));
+  }
+  TORCH_CHECK(false, "train_distributed: rank ", cause, " of ", world, " ", how,
+              "; the run was stopped (the other ranks were ended)");
+}
+
+// Rank 0's report, gradients and losses, from the store.
+DistributedRun collect_run(c10d::TCPStore& server) {
+  DistributedRun run;
+  TORCH_CHECK(server.check({kReportKey}), "train_distributed: every rank exited, but rank 0 left no report");
+  const auto report = server.get(kReportKey);
+  run.report = distributed_report_from_json(std::string(report.begin(), report.end()));
+  run.grads = unpack(server.get(kGradsKey));
+  const auto losses = server.get(kLossesKey);
+  std::string l(losses.begin(), losses.end());
+  for (size_t at = 0, nl; (nl = l.find('\n', at)) != std::string::npos; at = nl + 1) {
+    run.losses.push_back(std::stod(l.substr(at, nl - at)));
+  }
+  return run;
 }
 
 } // namespace
@@ -461,156 +651,13 @@ DistributedRun train_distributed(const DistributedTrainerOptions& o) {
                 " CUDA device(s) are visible (two ranks on one device fail in ncclCommInitRank)");
   }
   const auto [listen_fd, port] = store_socket();
-
-  std::fflush(stdout);
-  std::fflush(stderr);
-  std::vector<pid_t> pids;
-  auto stop_ranks = [&] {
-    for (pid_t p : pids) {
-      ::kill(p, SIGKILL);
-      ::waitpid(p, nullptr, 0);
-    }
-  };
-  for (int r = 0; r < world; ++r) {
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::close(listen_fd);
-      rank_main(o, r, port);
-    }
-    if (pid < 0) {
-      const int err = errno;
-      stop_ranks();
-      ::close(listen_fd);
-      TORCH_CHECK(false, "train_distributed: cannot start rank ", r, ": fork failed: ", std::strerror(err));
-    }
-    pids.push_back(pid);
+  const std::vector<pid_t> pids = fork_ranks(o, listen_fd, port);
+  const auto server = host_store(o, listen_fd, port, pids);
+  auto exits = wait_for_ranks(pids);
+  if (any_failed(exits)) {
+    throw_rank_failure(exits, *server);
   }
-  c10d::TCPStoreOptions so;
-  so.port = port;
-  so.isServer = true;
-  so.numWorkers = static_cast<size_t>(world);
-  so.waitWorkers = false;
-  so.timeout = std::chrono::milliseconds(o.timeout_ms());
-  so.masterListenFd = listen_fd;  // the server takes the socket over
-  c10::intrusive_ptr<c10d::TCPStore> server;
-  try {
-    server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-  } catch (...) {
-    stop_ranks();
-    throw;
-  }
-
-  std::vector<RankExit> exits(static_cast<size_t>(world));
-  auto poll = [&] {
-    for (int r = 0; r < world; ++r) {
-      auto& e = exits[static_cast<size_t>(r)];
-      if (!e.exited && ::waitpid(pids[static_cast<size_t>(r)], &e.status, WNOHANG) > 0) {
-        e.exited = true;
-      }
-    }
-  };
-  auto any_failed = [&] {
-    for (const auto& e : exits) {
-      if (failed(e)) {
-        return true;
-      }
-    }
-    return false;
-  };
-  auto all_exited = [&] {
-    for (const auto& e : exits) {
-      if (!e.exited) {
-        return false;
-      }
-    }
-    return true;
-  };
-  while (!all_exited() && !any_failed()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    poll();
-  }
-  if (any_failed()) {
-    // A short grace lets the others notice and report, then nobody is left running.
-    const auto grace_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
-    while (!all_exited() && std::chrono::steady_clock::now() < grace_end) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      poll();
-    }
-    for (int r = 0; r < world; ++r) {
-      if (!exits[static_cast<size_t>(r)].exited) {
-        ::kill(pids[static_cast<size_t>(r)], SIGKILL);
-      }
-    }
-    for (int r = 0; r < world; ++r) {
-      auto& e = exits[static_cast<size_t>(r)];
-      if (!e.exited) {
-        ::waitpid(pids[static_cast<size_t>(r)], &e.status, 0);
-        e.exited = true;
-        e.message = "stopped by the launcher";
-        e.failure_seq = -1;
-      }
-    }
-    // The cause: a rank that died without a word (killed, crashed), else the
-    // first failure reported.
-    int cause = -1;
-    for (int r = 0; r < world; ++r) {
-      auto& e = exits[static_cast<size_t>(r)];
-      if (e.failure_seq == -1 || !failed(e)) {
-        continue;
-      }
-      if (server->check({error_key(r)})) {
-        const auto v = server->get(error_key(r));
-        const std::string s(v.begin(), v.end());
-        const auto nl = s.find('\n');
-        e.failure_seq = std::stoll(s.substr(0, nl));
-        e.message = nl == std::string::npos ? "" : s.substr(nl + 1);
-      }
-    }
-    // A rank killed by SIGPIPE wrote to a peer that had died first (its
-    // socket closed): a consequence, named only when no other rank died
-    // silently (CI once named rank 0's SIGPIPE for rank 1's SIGKILL).
-    auto broken_pipe = [](const RankExit& e) { return WIFSIGNALED(e.status) && WTERMSIG(e.status) == SIGPIPE; };
-    for (int pass = 0; pass < 2 && cause < 0; ++pass) {
-      for (int r = 0; r < world && cause < 0; ++r) {
-        const auto& e = exits[static_cast<size_t>(r)];
-        if (failed(e) && e.failure_seq == 0 && (pass == 1 || !broken_pipe(e))) {
-          cause = r;
-        }
-      }
-    }
-    for (int r = 0; r < world; ++r) {
-      const auto& e = exits[static_cast<size_t>(r)];
-      if (failed(e) && e.failure_seq > 0 &&
-          (cause < 0 || (exits[static_cast<size_t>(cause)].failure_seq > 0 &&
-                         e.failure_seq < exits[static_cast<size_t>(cause)].failure_seq))) {
-        cause = r;
-      }
-    }
-    TORCH_INTERNAL_ASSERT(cause >= 0);
-    const auto& e = exits[static_cast<size_t>(cause)];
-    std::string how;
-    if (WIFSIGNALED(e.status)) {
-      how = fmt::format("was killed by {}", signal_text(WTERMSIG(e.status)));
-    } else if (e.failure_seq > 0) {
-      how = "failed: " + e.message;
-    } else {
-      how = fmt::format("exited with status {} without a report", WEXITSTATUS(e.status));
-    }
-    TORCH_CHECK(false, "train_distributed: rank ", cause, " of ", world, " ", how,
-                "; the run was stopped (the other ranks were ended)");
-  }
-
-  DistributedRun run;
-  TORCH_CHECK(server->check({kReportKey}), "train_distributed: every rank exited, but rank 0 left no report");
-  const auto report = server->get(kReportKey);
-  run.report = distributed_report_from_json(std::string(report.begin(), report.end()));
-  run.grads = unpack(server->get(kGradsKey));
-  const auto losses = server->get(kLossesKey);
-  std::string l(losses.begin(), losses.end());
-  for (size_t at = 0, nl; (nl = l.find('\n', at)) != std::string::npos; at = nl + 1) {
-    run.losses.push_back(std::stod(l.substr(at, nl - at)));
-  }
-  return run;
+  return collect_run(*server);
 }
 
 } // namespace trainmem

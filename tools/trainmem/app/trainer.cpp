@@ -32,6 +32,26 @@ using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
 using detail::AuditedStep;
 using detail::run_audited_step;
 
+// The data: one fixed batch (B, T, d).
+at::Tensor make_batch(const TrainerOptions& o, c10::Device device) {
+  const auto& mo = o.model();
+  torch::manual_seed(o.seed() + 1);
+  return torch::randn({mo.batch(), mo.seq_len(), mo.d_model()}).to(device, detail::trainer_dtype(o));
+}
+
+// Micro-batches are tensors of their own, as a loader would give them (a
+// view would keep the whole batch's storage alive in autograd's eyes).
+std::vector<at::Tensor> micro_batches(const at::Tensor& x, int64_t k) {
+  std::vector<at::Tensor> micro = {x};
+  if (k > 1) {
+    micro.clear();
+    for (const auto& part : x.split(x.size(0) / k)) {
+      micro.push_back(part.clone());
+    }
+  }
+  return micro;
+}
+
 } // namespace
 
 
@@ -81,24 +101,11 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
   }
   const auto& mo = o.model();
   const int64_t k = o.accumulation();
-  const auto dtype = o.precision() == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
 
-  torch::manual_seed(o.seed());
-  Transformer model(mo);
-  model->to(device, dtype);
+  Transformer model = detail::make_trainer_model(o, device);
   const auto plan = BlockCheckpointing::named(mo.num_layers(), o.checkpoint());
-  // The data: one fixed batch (B, T, d).
-  torch::manual_seed(o.seed() + 1);
-  const auto x = torch::randn({mo.batch(), mo.seq_len(), mo.d_model()}).to(device, dtype);
-  // Micro-batches are tensors of their own, as a loader would give them (a
-  // view would keep the whole batch's storage alive in autograd's eyes).
-  std::vector<at::Tensor> micro = {x};
-  if (k > 1) {
-    micro.clear();
-    for (const auto& part : x.split(mo.batch() / k)) {
-      micro.push_back(part.clone());
-    }
-  }
+  const auto x = make_batch(o, device);  // held for the whole run, as a loop's batch is
+  std::vector<at::Tensor> micro = micro_batches(x, k);
 
   OptimizerPtr optimizer;
   std::unique_ptr<OptimizerInBackward> in_backward;
@@ -116,13 +123,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
   if (in_backward) {
     audit.add_optimizer(*in_backward);
   }
-  audit.set_config("layers", std::to_string(mo.num_layers()));
-  audit.set_config("d_model", std::to_string(mo.d_model()));
-  audit.set_config("heads", std::to_string(mo.num_heads()));
-  audit.set_config("batch", std::to_string(mo.batch()));
-  audit.set_config("seq_len", std::to_string(mo.seq_len()));
-  audit.set_config("optimizer", o.optimizer());
-  audit.set_config("precision", precision_name(o.precision()));
+  detail::set_model_config(audit, o, mo.batch());
   audit.set_config("device", o.device());
   audit.set_config("steps", std::to_string(o.steps()));
   audit.set_config("checkpoint", o.checkpoint());
@@ -193,6 +194,28 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
 } // namespace trainmem
 
 namespace trainmem::detail {
+
+at::ScalarType trainer_dtype(const TrainerOptions& o) {
+  return o.precision() == Precision::kBf16 ? at::kBFloat16 : at::kFloat;
+}
+
+Transformer make_trainer_model(const TrainerOptions& o, c10::Device device) {
+  torch::manual_seed(o.seed());
+  Transformer model(o.model());
+  model->to(device, trainer_dtype(o));
+  return model;
+}
+
+void set_model_config(Audit& audit, const TrainerOptions& o, int64_t batch) {
+  const auto& mo = o.model();
+  audit.set_config("layers", std::to_string(mo.num_layers()));
+  audit.set_config("d_model", std::to_string(mo.d_model()));
+  audit.set_config("heads", std::to_string(mo.num_heads()));
+  audit.set_config("batch", std::to_string(batch));
+  audit.set_config("seq_len", std::to_string(mo.seq_len()));
+  audit.set_config("optimizer", o.optimizer());
+  audit.set_config("precision", precision_name(o.precision()));
+}
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
                                                         double lr) {

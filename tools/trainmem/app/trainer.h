@@ -83,4 +83,22 @@ TrainingRun train(
     const TrainerOptions& options,
     const std::function<void(int64_t, int64_t)>& on_step = {});
 
+class Audit;
+
+namespace detail {
+
+/// What train() and each data-parallel rank (distributed_trainer.cpp) set up
+/// alike, defined in trainer.cpp. The parameters' dtype: bf16 for
+/// Precision::kBf16, else fp32.
+at::ScalarType trainer_dtype(const TrainerOptions& options);
+/// The reference transformer of `options.model()`, built after seeding with
+/// options.seed(), on `device` in trainer_dtype().
+Transformer make_trainer_model(const TrainerOptions& options, c10::Device device);
+/// The settings both loops report first, in this order: layers, d_model,
+/// heads, batch (`batch`: a rank gives its shard's), seq_len, optimizer,
+/// precision.
+void set_model_config(Audit& audit, const TrainerOptions& options, int64_t batch);
+
+} // namespace detail
+
 } // namespace trainmem
