@@ -46,6 +46,7 @@ Audit::Audit(c10::Device device, AuditOptions options)
       "Audit: expected a cpu or cuda device, but got ", device);
   if (device.is_cpu()) {
     impl_->tracker = &CpuMemoryTracker::install();
+    impl_->made_ns = impl_->tracker->now_ns();
   }
   impl_->timeline.device = device_memory_stats(device).device;  // fails early, naming the device
   if (impl_->options.meter()) {

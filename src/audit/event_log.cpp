@@ -221,12 +221,12 @@ Category Audit::Impl::category_of_live(const MemoryEvent& a, const std::unordere
 void Audit::Impl::classify_step_events(const std::vector<detail::RecordedEvent>& raw) {
   timeline.num_dropped_events += recorder->take_num_dropped();
   // Blocks of the baseline freed in this step leave "before the audit";
-  // those freed between the first step and the second were the first
-  // step's INPUT (Note [A batch made between steps]).
+  // those made since the Audit and freed between the first step and the
+  // second were the first step's INPUT (Note [A batch made between steps]).
   for (const auto& f : recorder->take_baseline_frees()) {
     const int64_t t = f.time_ns - origin_ns;
     Category c = Category::kBeforeAudit;
-    if (step_index == 1 && t >= first_step_end_ns && t < step_begin_ns) {
+    if (step_index == 1 && f.made_ns >= made_ns && t >= first_step_end_ns && t < step_begin_ns) {
       c = Category::kInput;
       timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] += f.bytes;  // f.bytes < 0
       timeline.baseline_bytes[static_cast<int>(Category::kInput)] -= f.bytes;
