@@ -46,6 +46,7 @@ Audit::Audit(c10::Device device, AuditOptions options)
       "Audit: expected a cpu or cuda device, but got ", device);
   if (device.is_cpu()) {
     impl_->tracker = &CpuMemoryTracker::install();
+    impl_->made_ns = impl_->tracker->now_ns();
   }
   impl_->timeline.device = device_memory_stats(device).device;  // fails early, naming the device
   if (impl_->options.meter()) {
@@ -400,6 +401,9 @@ void Audit::end_step() {
     ps.peak_bytes = span.peak_bytes;
     s.timeline.phases.push_back(ps);
   }
+  if (s.step_index == 0) {
+    s.first_step_end_ns = s.spans.back().end_ns;  // Note [A batch made between steps]
+  }
   s.steps.push_back(rec);
   s.inputs.clear();
   ++s.step_index;
@@ -511,6 +515,7 @@ Timeline Audit::take_timeline() {
   for (const auto& e : t.events) {
     s.timeline.baseline_bytes[static_cast<int>(e.category)] += e.bytes;
   }
+  s.baseline_named_bytes = 0;  // moved out of this baseline by the events above
   for (const auto& [address, a] : s.live) {
     s.known[address] = t.events[a.event].category;
   }
@@ -586,11 +591,14 @@ AuditReport Audit::report() const {
         "{} allocator events beyond max_events were dropped; the timeline ends early",
         s.timeline.num_dropped_events));
   }
-  if (s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] > 0) {
+  // What of the baseline no name claimed since (Note [A batch made between steps]).
+  const int64_t unnamed_baseline =
+      s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] - s.baseline_named_bytes;
+  if (unnamed_baseline > 0) {
     r.notes.push_back(fmt::format(
         "{} B were live before the audit began and are no parameter, buffer, gradient, optimizer state or labelled "
         "tensor (a data set held in memory? name it with Audit::label()); the plot can hide this baseline",
-        with_commas(s.timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)])));
+        with_commas(unnamed_baseline)));
   }
   if (auto note = s.meter_note()) {
     r.notes.push_back(*note);

@@ -19,7 +19,8 @@
 // lived. Made in forward and still alive when backward starts: ACTIVATION
 // (what autograd saved, the output, the loss). Made and freed before that,
 // or within backward or an optimizer step: TEMPORARY. Alive at the step's
-// end and unnamed: OPTIMIZER_STATE if an optimizer step made it, else
+// end and unnamed: OPTIMIZER_STATE if an optimizer step made it, INPUT if
+// it was made between steps (Note [A batch made between steps]), else
 // unknown. Every free carries its allocation's category, so the
 // per-category series never drift. Bytes live when recording began are
 // attributed the same way (the blocks of named storages are adopted by the
@@ -69,6 +70,7 @@ int64_t Audit::Impl::adopt(const c10::Storage& storage, Category category, int64
     // Part of the baseline (the recorder moved its bytes out of it): its
     // bytes change category there.
     if (recording_started) {
+      baseline_named_bytes += bytes;  // no longer unnamed: the note leaves them out
       synthetic.push_back(MemoryEvent{at_ns, -bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
       synthetic.push_back(MemoryEvent{at_ns, bytes, 0, category, Phase::kForward, step_index});
     } else {
@@ -205,7 +207,7 @@ Category Audit::Impl::category_of_live(const MemoryEvent& a, const std::unordere
     return it->second;
   }
   if (a.time_ns < step_begin_ns) {
-    return Category::kUnknown;  // made between steps
+    return Category::kInput;  // made between steps: Note [A batch made between steps]
   }
   if (a.phase == Phase::kOptimizerStep) {
     return Category::kOptimizerState;
@@ -218,10 +220,18 @@ Category Audit::Impl::category_of_live(const MemoryEvent& a, const std::unordere
 
 void Audit::Impl::classify_step_events(const std::vector<detail::RecordedEvent>& raw) {
   timeline.num_dropped_events += recorder->take_num_dropped();
-  // Blocks of the baseline freed in this step leave "before the audit".
+  // Blocks of the baseline freed in this step leave "before the audit";
+  // those made since the Audit and freed between the first step and the
+  // second were the first step's INPUT (Note [A batch made between steps]).
   for (const auto& f : recorder->take_baseline_frees()) {
-    synthetic.push_back(
-        MemoryEvent{f.time_ns - origin_ns, f.bytes, 0, Category::kBeforeAudit, Phase::kForward, step_index});
+    const int64_t t = f.time_ns - origin_ns;
+    Category c = Category::kBeforeAudit;
+    if (step_index == 1 && f.made_ns >= made_ns && t >= first_step_end_ns && t < step_begin_ns) {
+      c = Category::kInput;
+      timeline.baseline_bytes[static_cast<int>(Category::kBeforeAudit)] += f.bytes;  // f.bytes < 0
+      timeline.baseline_bytes[static_cast<int>(Category::kInput)] -= f.bytes;
+    }
+    synthetic.push_back(MemoryEvent{t, f.bytes, 0, c, Phase::kForward, step_index});
   }
   make_event_room(raw.size() + synthetic.size());
   const auto by_time = [](const auto& a, const auto& b) { return a.time_ns < b.time_ns; };

@@ -104,7 +104,7 @@ struct RecorderSlot {
   // lock for the blocks made since (most of them).
   std::atomic<int64_t> baseline_ns{0};
   std::vector<uint64_t> baseline_excluded;  // recorders live when the baseline began: their blocks are theirs
-  std::vector<CpuMemoryEvent> baseline_frees;
+  std::vector<detail::AllocRecorder::BaselineFree> baseline_frees;
 
   // Under `mutex`: a block tagged `owner` made at `made_ns` is counted in
   // this baseline.
@@ -179,7 +179,7 @@ void to_recorder(uint64_t tag, int64_t bytes, int64_t time_ns, const void* ptr, 
 // A free of a block made before some recorder's baseline began and not that
 // recorder's own: its baseline shrinks (Note [A recorder's baseline]).
 // Never throws (free path).
-void to_baselines(uint64_t tag, int64_t bytes, int64_t alloc_ns, int64_t time_ns, const void* ptr) noexcept {
+void to_baselines(uint64_t tag, int64_t bytes, int64_t alloc_ns, int64_t time_ns, const void* /*ptr*/) noexcept {
   auto* slots = recorder_slots();
   for (int i = 0; i < kMaxRecorders; ++i) {
     auto& r = slots[i];
@@ -193,7 +193,7 @@ void to_baselines(uint64_t tag, int64_t bytes, int64_t alloc_ns, int64_t time_ns
       }
       r.baseline -= bytes;
       if (r.logging && static_cast<int64_t>(r.baseline_frees.size()) < std::max<int64_t>(r.max_events, 1)) {
-        r.baseline_frees.push_back({time_ns, -bytes, r.live + r.baseline, reinterpret_cast<uint64_t>(ptr)});
+        r.baseline_frees.push_back({time_ns, -bytes, alloc_ns});
       }
     } catch (...) {
       // losing an event is acceptable; failing a free is not
@@ -459,7 +459,7 @@ AllocRecorder::~AllocRecorder() {
       g_num_baselines.fetch_sub(1);
     }
     std::vector<detail::RecordedEvent>().swap(r.events);
-    std::vector<CpuMemoryEvent>().swap(r.baseline_frees);
+    std::vector<detail::AllocRecorder::BaselineFree>().swap(r.baseline_frees);
   } catch (...) {
   }
   if (tls_recorder_tag == tag_) {
@@ -570,9 +570,9 @@ int64_t AllocRecorder::baseline_bytes() const {
   return r.baseline;
 }
 
-std::vector<CpuMemoryEvent> AllocRecorder::take_baseline_frees() {
+std::vector<AllocRecorder::BaselineFree> AllocRecorder::take_baseline_frees() {
   auto& r = recorder_slots()[slot_];
-  std::vector<CpuMemoryEvent> out;
+  std::vector<BaselineFree> out;
   std::lock_guard<SlotLock> lock(r.mutex);
   out.swap(r.baseline_frees);
   return out;

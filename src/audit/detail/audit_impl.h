@@ -165,6 +165,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   int64_t step_index = 0;
   std::chrono::steady_clock::time_point wall_begin;
   int64_t step_begin_ns = 0;
+  int64_t first_step_end_ns = -1;  // Note [A batch made between steps]
+  int64_t made_ns = 0;  // when the Audit was made (tracker clock): Note [A batch made between steps]
+  int64_t baseline_named_bytes = 0;  // of the baseline, named since recording began (label, mark_input)
   std::vector<Span> spans;
   std::unique_ptr<PeakWindow> window;
   int backward_depth = 0;

@@ -97,9 +97,16 @@ class AllocRecorder {
   // made before and freed since is no longer in a peak.
   int64_t begin_baseline();
   int64_t baseline_bytes() const;
+  // A free of a baseline block: when (tracker clock), its bytes (< 0), and
+  // when the block was made.
+  struct BaselineFree {
+    int64_t time_ns = 0;
+    int64_t bytes = 0;
+    int64_t made_ns = 0;
+  };
   // The baseline's frees since the last call, oldest first (logged while
   // logging is on; capped at max_events).
-  std::vector<CpuMemoryEvent> take_baseline_frees();
+  std::vector<BaselineFree> take_baseline_frees();
 
   // Makes the block under `storage` this recorder's (if the counting
   // allocator made it and it is not already its). Its bytes join the live
