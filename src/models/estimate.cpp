@@ -123,6 +123,18 @@ std::string cuda_assumption(const CudaPredictOptions& c, const CudaStepPredictio
                      c.allocator().expandable_segments() ? "expandable" : "fixed");
 }
 
+// A step predicted as a function: its peak and what it started with, the
+// phases not split.
+void set_function_peak(ModelEstimate& e, const StepFunctionPeak& f) {
+  e.step_phases_split = false;
+  e.step_peak = StepPeak();
+  e.step_peak.peak_bytes = f.peak_bytes;
+  e.step_peak.param_bytes = f.param_bytes;
+  e.step_peak.buffer_bytes = f.buffer_bytes;
+  e.step_peak.optimizer_state_bytes = f.optimizer_state_bytes;
+  e.step_peak.activation_bytes = e.saved_bytes;
+}
+
 // Note [fp16 autocast as a step function]
 // fp16 autocast needs a GradScaler: the loss scaled before backward, the
 // gradients unscaled and checked for inf/NaN, the step taken or skipped, the
@@ -152,13 +164,7 @@ void predict_fp16_steps(ModelEstimate& e, const HfModel& model, const std::vecto
     torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
     GradScaler scaler;
     const auto f = predict_step_function({model.module.get()}, {&opt}, step_on(c10::kCPU, opt, scaler));
-    e.step_phases_split = false;
-    e.step_peak = StepPeak();
-    e.step_peak.peak_bytes = f.peak_bytes;
-    e.step_peak.param_bytes = f.param_bytes;
-    e.step_peak.buffer_bytes = f.buffer_bytes;
-    e.step_peak.optimizer_state_bytes = f.optimizer_state_bytes;
-    e.step_peak.activation_bytes = e.saved_bytes;
+    set_function_peak(e, f);
   }
   if (e.options.cuda()) {
     torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
@@ -199,13 +205,7 @@ void predict_master_steps(ModelEstimate& e, const HfModel& model, const std::vec
   {
     torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
     const auto f = predict_step_function({model.module.get(), masters.get()}, {&opt}, step_on(c10::kCPU, opt));
-    e.step_phases_split = false;
-    e.step_peak = StepPeak();
-    e.step_peak.peak_bytes = f.peak_bytes;
-    e.step_peak.param_bytes = f.param_bytes;
-    e.step_peak.buffer_bytes = f.buffer_bytes;
-    e.step_peak.optimizer_state_bytes = f.optimizer_state_bytes;
-    e.step_peak.activation_bytes = e.saved_bytes;
+    set_function_peak(e, f);
   }
   if (e.options.cuda()) {
     torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
