@@ -275,7 +275,8 @@ TEST(RegionPlannerTest, RegionsFromContainersAndHolders) {
   EXPECT_EQ(regions[0].modules().size(), 1u);
   EXPECT_TRUE(at::equal(regions[1](x), holder->forward(x)));
   EXPECT_EQ(regions[2](x).sizes(), x.sizes());
-  EXPECT_THROW(Region("empty", nullptr), c10::Error);
+  EXPECT_THROW(Region("empty", Region::Forward()), c10::Error);
+  EXPECT_THROW(Region("empty", Region::ListForward()), c10::Error);
 }
 
 } // namespace

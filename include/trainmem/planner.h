@@ -382,15 +382,24 @@ TRAINMEM_API std::string to_string(const CheckpointPlan& plan);
 // ---------------------------------------------------------------------------
 // Planning any model: a sequence of regions
 
-/// One region of a model: a callable `Tensor(Tensor)` and the modules whose
-/// parameters and buffers it uses. The planner chooses per region (store,
-/// checkpoint, selective) and per run of regions (one checkpointed segment).
-/// Copies share the callable and the modules.
+/// One region of a model: a callable `Tensor(Tensor)`, or one over several
+/// tensors, and the modules whose parameters and buffers it uses. The
+/// planner chooses per region (store, checkpoint, selective) and per run of
+/// regions (one checkpointed segment). Copies share the callable and the
+/// modules.
 ///
 /// Any module holder or module whose `forward` takes and returns one tensor
 /// converts implicitly (TORCH_MODULE types, `Sequential`, `Linear`, your own
 /// `Impl` by `shared_ptr`), as does an `AnyModule`; a lambda needs the
 /// modules it uses named beside it.
+///
+/// Skip connections (a U-Net's encoder features, an FPN's levels, a DenseNet
+/// block's inputs): a region given as a `Tensors(Tensors)` callable takes
+/// every tensor the region before it returned, and returns every tensor a
+/// later region needs, passing on unchanged (the same tensor) what it only
+/// carries. The first region takes the step's input alone and the last one
+/// returns one tensor, the loss's input (Note [Regions with several
+/// tensors]).
 ///
 /// Example:
 /// ```
@@ -398,14 +407,33 @@ TRAINMEM_API std::string to_string(const CheckpointPlan& plan);
 ///     net->conv1,                                                   // a module holder
 ///     trainmem::Region("head", [&](const at::Tensor& x) { return net->fc(x.flatten(1)); }, {net->fc.ptr()}),
 /// };
+/// // A U-Net: each encoder stage returns its features twice (the next
+/// // stage's input and a skip tensor), each decoder stage takes one back.
+/// using T = trainmem::Region::Tensors;
+/// trainmem::Region down("down1", [&](const T& xs) -> T {
+///   auto h = net->down1(xs[0]);
+///   return {h, h};                                 // the input of down2, the skip for up1
+/// }, {net->down1.ptr()});
+/// trainmem::Region up("up1", [&](const T& xs) -> T {
+///   return {net->up1(at::cat({net->upsample(xs[0]), xs[1]}, 1))};
+/// }, {net->up1.ptr()});
 /// ```
 class TRAINMEM_API Region {
  public:
   using Forward = std::function<at::Tensor(const at::Tensor&)>;
+  using Tensors = std::vector<at::Tensor>;
+  /// Several tensors in, several out.
+  using ListForward = std::function<Tensors(const Tensors&)>;
 
   /// `forward` using the parameters and buffers of `modules` (and no others:
   /// the planner counts gradients and moves tensors to meta by them).
   Region(std::string name, Forward forward,
+         std::vector<std::shared_ptr<torch::nn::Module>> modules = {});
+
+  /// `forward` over several tensors: it takes what the region before it
+  /// returned and returns what the region after it takes. A tensor it only
+  /// carries to a later region is returned as it came (the same tensor).
+  Region(std::string name, ListForward forward,
          std::vector<std::shared_ptr<torch::nn::Module>> modules = {});
 
   /// A module holder whose forward takes and returns one tensor.
@@ -434,8 +462,13 @@ class TRAINMEM_API Region {
   /// One element of a Sequential, by its type-erased forward.
   Region(torch::nn::AnyModule module);  // NOLINT(google-explicit-constructor)
 
-  /// Runs the region.
+  /// Runs the region on one tensor. Throws, naming the region, if it returns
+  /// more than one.
   at::Tensor operator()(const at::Tensor& input) const;
+  /// Runs the region on several tensors (one-tensor regions take exactly one).
+  Tensors operator()(const Tensors& inputs) const;
+  /// Whether it was given as a `Tensors(Tensors)` callable.
+  bool takes_tensors() const { return takes_tensors_; }
   /// Its name ("trainmem::TransformerBlockImpl", or the one given).
   const std::string& name() const { return name_; }
   /// The modules whose tensors it uses.
@@ -453,9 +486,10 @@ class TRAINMEM_API Region {
 
  private:
   std::string name_;
-  std::shared_ptr<Forward> forward_;
+  std::shared_ptr<ListForward> forward_;
   std::vector<std::shared_ptr<torch::nn::Module>> modules_;
   std::string key_;
+  bool takes_tensors_ = false;
 };
 
 /// One region per module of `sequential`, in order.
@@ -501,7 +535,8 @@ using OptimizerFactory =
 /// m.optimizer = &sgd;                               // or m.make_optimizer
 /// ```
 struct TRAINMEM_API RegionModel {
-  /// The model, in order: region i + 1 takes region i's output.
+  /// The model, in order: region i + 1 takes region i's outputs (one
+  /// tensor, or several: Region's `Tensors` form).
   std::vector<Region> regions;
   /// A sample input on `device` (the meta device while planning, the CPU for
   /// a region profiled there): its shape and dtype are what the plan is for.

@@ -107,17 +107,24 @@ std::vector<DpState> prune_states_of(std::vector<DpState> next, DpGoal goal) {
   return kept;
 }
 
-// Pruning within each value of `counted`: a state whose boundary storage is
-// counted already and one where it is not differ in what the next region
-// adds, so neither dominates the other by stored bytes alone.
-std::vector<DpState> prune_states(std::vector<DpState> next, DpGoal goal) {
-  std::vector<DpState> yes, no;
-  for (auto& n : next) {
-    (n.counted ? yes : no).push_back(std::move(n));
+// The states of each value of `counted`, the highest value first.
+std::map<SlotMask, std::vector<DpState>, std::greater<>> by_counted(std::vector<DpState> states) {
+  std::map<SlotMask, std::vector<DpState>, std::greater<>> classes;
+  for (auto& n : states) {
+    classes[n.counted].push_back(std::move(n));
   }
-  auto kept = prune_states_of(std::move(yes), goal);
-  for (auto& n : prune_states_of(std::move(no), goal)) {
-    kept.push_back(std::move(n));
+  return classes;
+}
+
+// Pruning within each value of `counted`: a state whose boundary storages
+// are counted already and one where they are not differ in what the next
+// region adds, so neither dominates the other by stored bytes alone.
+std::vector<DpState> prune_states(std::vector<DpState> next, DpGoal goal) {
+  std::vector<DpState> kept;
+  for (auto& [mask, cls] : by_counted(std::move(next))) {
+    for (auto& n : prune_states_of(std::move(cls), goal)) {
+      kept.push_back(std::move(n));
+    }
   }
   return kept;
 }
@@ -151,13 +158,7 @@ constexpr size_t kMaxBoundaryStates = 4096;
 int64_t bucket_states(std::vector<DpState>& states, size_t cap) {
   int64_t width = 0;
   std::vector<DpState> kept;
-  for (const bool counted : {true, false}) {
-    std::vector<DpState> cls;
-    for (const auto& st : states) {
-      if (st.counted == counted) {
-        cls.push_back(st);
-      }
-    }
+  for (auto& [mask, cls] : by_counted(std::move(states))) {
     if (cls.size() <= cap) {
       kept.insert(kept.end(), cls.begin(), cls.end());
       continue;
@@ -206,10 +207,9 @@ bool extend(const Candidates& cands, const StaticTerms& terms, const DpBounds& b
   const auto& ch = prof.choice;
   // Region 0's input is the step's input, already in Z; a later
   // region's input may be in st.stored already (Note [Boundary storages]).
-  const int64_t stored = ch.stored_bytes + ch.rng_state_bytes -
-      (st.counted && prof.in_kept ? prof.in_bytes : 0);
+  const int64_t stored = ch.stored_bytes + ch.rng_state_bytes - counted_in_bytes(prof, st.counted, true);
   const int64_t fwd = Z + st.stored + ch.rng_state_bytes + ch.forward_peak_bytes -
-      (st.counted ? prof.in_bytes : 0);
+      counted_in_bytes(prof, st.counted, false);
   // The step's loss (the caller holds it while backward runs) is
   // live beside every region's backward, as beside the head's.
   const int64_t bwd = Z + st.stored + stored + cands.grads_after[i + k] + ch.backward_transient_bytes +
@@ -226,7 +226,7 @@ bool extend(const Candidates& cands, const StaticTerms& terms, const DpBounds& b
     return false;
   }
   n.region = k;
-  n.counted = prof.out_aliases_in ? (st.counted || prof.in_kept) : prof.out_kept;
+  n.counted = counted_out(prof, st.counted);
   return true;
 }
 
@@ -235,7 +235,7 @@ void finish(const Candidates& cands, const StaticTerms& terms, const DpBounds& b
   const auto& head = cands.profiles->head;
   const int64_t Z = terms.static_bytes();
   for (auto f : r.layers[cands.regions]) {
-    const int64_t in_counted = f.counted ? head.in_bytes : 0;
+    const int64_t in_counted = (f.counted & 1U) != 0 ? head.in_bytes : 0;
     const int64_t head_stored = head.stored_bytes - (head.in_kept ? in_counted : 0);
     raise_peak(f, Z + f.stored + head.forward_peak_bytes - in_counted, StepPhase::kForward);
     raise_peak(f, Z + f.stored + head_stored + head.backward_transient_bytes + head.loss_bytes,

@@ -183,11 +183,9 @@ std::unordered_set<const c10::TensorImpl*> trained_params(const RegionModel& mod
     p.mutable_grad().reset();
   }
   try {
-    at::Tensor x = model.input(at::kMeta);
-    for (const auto& r : model.regions) {
-      x = r(x);
-    }
-    const at::Tensor loss = model.loss(x);
+    const auto ys = run_span(model.regions, 0, static_cast<int64_t>(model.regions.size()), {model.input(at::kMeta)});
+    TORCH_CHECK(ys.size() == 1, "the last region returns ", ys.size(), " tensors");
+    const at::Tensor loss = model.loss(ys[0]);
     if (loss.requires_grad()) {
       detail::BackwardOnMeta::run(loss);
     }
@@ -332,35 +330,104 @@ void on_cpu(PlanningSwap& swap, const std::vector<Region>& rs, int64_t first, in
   }
 }
 
+// Note [Regions with several tensors]
+// Regions of a U-Net pass tensors past each other: an encoder stage's
+// features are a decoder stage's skip input. A region may take and return
+// several tensors (slots); every tensor between two regions is a slot of
+// that boundary, and a region carries a tensor a later one needs by
+// returning it unchanged. The planner profiles each region on all of its
+// input slots, so a carried tensor is live in its forward as in the step,
+// a checkpoint over the region keeps it, and its gradient, made by the
+// region that used it, is live through the backward of the regions that
+// carry it. Note [Boundary storages] then holds per slot: a slot's storage
+// is counted once, by the first region that keeps it (the one whose
+// backward frees it last); the DP carries one bit per slot (SlotMask).
+// The first region takes the step's input alone, the last returns the
+// loss's input alone. Slots that hold one tensor twice are one storage; two
+// different tensors on one storage (chunks of one projection) are refused,
+// naming the region: a boundary's storages are its slots'.
+namespace {
+
+// The boundary after region i from its outputs `ys` on inputs `xs`: a slot
+// passed on unchanged keeps its gradient flag, any other one needs a
+// gradient when a region up to here trains (`needs_grad`) and it is floating.
+BoundarySpec boundary_of(const Region& region, int64_t i, const std::vector<at::Tensor>& xs,
+                         const BoundarySpec& in, const std::vector<at::Tensor>& ys, bool needs_grad) {
+  TORCH_CHECK(!ys.empty() && static_cast<int64_t>(ys.size()) <= kMaxSlots, "plan_regions: region ", i, " ('",
+              region.name(), "') returns ", ys.size(), " tensors; expected 1 to ", kMaxSlots);
+  BoundarySpec out;
+  for (size_t t = 0; t < ys.size(); ++t) {
+    const auto& y = ys[t];
+    TORCH_CHECK(y.defined(), "plan_regions: region ", i, " ('", region.name(), "') returns an undefined tensor ",
+                "in slot ", t);
+    int same = static_cast<int>(t);
+    for (size_t u = 0; u < t; ++u) {
+      if (ys[u].unsafeGetTensorImpl() == y.unsafeGetTensorImpl()) {
+        same = static_cast<int>(u);
+        break;
+      }
+      TORCH_CHECK(!(ys[u].has_storage() && y.has_storage() &&
+                    ys[u].storage().unsafeGetStorageImpl() == y.storage().unsafeGetStorageImpl()),
+                  "plan_regions: region ", i, " ('", region.name(), "') returns two different tensors on one "
+                  "storage (slots ", u, " and ", t, "); return the tensor once and take the view in the region "
+                  "that uses it");
+    }
+    bool grad = needs_grad && c10::isFloatingType(y.scalar_type());
+    for (size_t s = 0; s < xs.size(); ++s) {
+      if (xs[s].unsafeGetTensorImpl() == y.unsafeGetTensorImpl()) {
+        grad = in.grad[s];  // passed on unchanged
+        break;
+      }
+    }
+    out.slots.push_back(spec_of(y));
+    out.same.push_back(same);
+    out.grad.push_back(grad);
+  }
+  return out;
+}
+
+} // namespace
+
 // Shapes region by region (no grad, meta); a region that fails on meta
 // runs on CPU, and is profiled there.
 RegionShapes shape_regions(const std::vector<Region>& regions, PlanningSwap& swap, const StaticTerms& terms) {
   const auto L = static_cast<int64_t>(regions.size());
   RegionShapes shapes;
   shapes.specs.resize(L + 1);
-  shapes.specs[0] = terms.input;
+  shapes.specs[0] = one_slot(terms.input);
   shapes.cpu.assign(L, false);
-  shapes.grad_in.assign(L, false);
   auto& specs = shapes.specs;
   bool needs_grad = false;
   for (int64_t i = 0; i < L; ++i) {
-    shapes.grad_in[i] = needs_grad && c10::isFloatingType(specs[i].dtype);
+    TORCH_CHECK(regions[i].takes_tensors() || specs[i].size() == 1, "plan_regions: region ", i, " ('",
+                regions[i].name(), "') takes one tensor, but ",
+                i == 0 ? std::string("the step's input is") : fmt::format("region {} returns", i - 1), " ",
+                specs[i].size(), "; give it a Tensors(Tensors) forward (Note [Regions with several tensors])");
+    needs_grad = needs_grad || terms.region_trains[i];
     at::NoGradGuard no_grad;
+    auto shape_on = [&](c10::Device device) {
+      const auto xs = make_tensors(specs[i], device, /*grad=*/false);
+      specs[i + 1] = boundary_of(regions[i], i, xs, specs[i], regions[i](xs), needs_grad);
+    };
     try {
-      specs[i + 1] = spec_of(regions[i](make_tensor(specs[i], at::kMeta)));
+      shape_on(at::kMeta);
     } catch (const c10::Error& e) {
+      if (std::string(e.what_without_backtrace()).rfind("plan_regions:", 0) == 0) {
+        throw;
+      }
       fall_back(shapes, regions, i, e);
       on_cpu(swap, regions, i, 1, true);
       try {
-        specs[i + 1] = spec_of(regions[i](make_tensor(specs[i], at::kCPU)));
+        shape_on(at::kCPU);
       } catch (...) {
         on_cpu(swap, regions, i, 1, false);
         throw;
       }
       on_cpu(swap, regions, i, 1, false);
     }
-    needs_grad = needs_grad || terms.region_trains[i];
   }
+  TORCH_CHECK(specs[L].size() == 1, "plan_regions: the last region ('", regions.back().name(), "') returns ",
+              specs[L].size(), " tensors; the loss takes one (Note [Regions with several tensors])");
   return shapes;
 }
 
@@ -380,8 +447,7 @@ class Profiler {
 
   std::string run_key(int64_t first, int64_t count) const {
     const auto& s = shapes_;
-    std::string k = fmt::format("{}{}{}{}|", first == 0 ? "S" : "", s.grad_in[first] ? "G" : "",
-                                s.specs[first].str(), s.cpu[first] ? "C" : "");
+    std::string k = fmt::format("{}{}{}|", first == 0 ? "S" : "", s.specs[first].str(), s.cpu[first] ? "C" : "");
     for (int64_t j = first; j < first + count; ++j) {
       k += keys_[j] + (s.cpu[j] ? "C|" : "|");
     }
@@ -394,7 +460,6 @@ class Profiler {
     run.first = first;
     run.count = count;
     run.input = shapes_.specs[first];
-    run.grad_input = shapes_.grad_in[first];
     run.input_is_static = first == 0;
     for (int64_t j = first; j < first + count; ++j) {
       run.cpu = run.cpu || shapes_.cpu[j];
@@ -560,13 +625,13 @@ void list_unavailable(Profiles& p) {
 HeadProfile profile_loss(const RegionModel& model, RegionShapes& shapes) {
   const auto L = static_cast<int64_t>(model.regions.size());
   try {
-    return profile_head(model.loss, shapes.specs[L], /*cpu=*/false);
+    return profile_head(model.loss, shapes.specs[L].slots[0], /*cpu=*/false);
   } catch (const c10::Error& e) {
     const std::string op = meta_failure_op(e);
     shapes.cpu_fallbacks.push_back({L, op, first_line(e.what_without_backtrace())});
     TORCH_WARN("plan_regions: the loss runs on CPU to be profiled: ",
                op.empty() ? std::string("it fails on meta") : op + " has no meta kernel");
-    return profile_head(model.loss, shapes.specs[L], /*cpu=*/true);
+    return profile_head(model.loss, shapes.specs[L].slots[0], /*cpu=*/true);
   }
 }
 
@@ -601,7 +666,7 @@ Candidates candidates(const Profiles& profiles, const StaticTerms& terms, int64_
     for (int64_t k = 1; k <= max_region && i + k <= L; ++k) {
       for (const auto* prof : c.choices(i, k)) {
         const auto& ch = prof->choice;
-        const int64_t added = ch.stored_bytes + ch.rng_state_bytes - (prof->in_kept ? prof->in_bytes : 0);
+        const int64_t added = ch.stored_bytes + ch.rng_state_bytes - counted_in_bytes(*prof, kAllSlots, true);
         least = std::min(least, added + c.least_stored_after[i + k]);
       }
     }
@@ -648,18 +713,18 @@ std::vector<const BlockProfile*> trace_back(const Candidates& cands, const Pick&
 void count_activations(const std::vector<const BlockProfile*>& chosen_profiles, const HeadProfile& head,
                        CheckpointPlan& plan) {
   plan.activation_bytes = 0;
-  bool counted = false;
+  SlotMask counted = 0;
   for (size_t i = 0; i < chosen_profiles.size(); ++i) {
     const auto* prof = chosen_profiles[i];
     if (prof == nullptr) {
       continue;  // inside a segment
     }
     auto& b = plan.blocks[i];
-    b.stored_bytes -= counted && prof->in_kept ? prof->in_bytes : 0;
+    b.stored_bytes -= counted_in_bytes(*prof, counted, /*kept_only=*/true);
     plan.activation_bytes += b.stored_bytes;
-    counted = prof->out_aliases_in ? (counted || prof->in_kept) : prof->out_kept;
+    counted = counted_out(*prof, counted);
   }
-  plan.activation_bytes += head.stored_bytes - (counted && head.in_kept ? head.in_bytes : 0);
+  plan.activation_bytes += head.stored_bytes - ((counted & 1U) != 0 && head.in_kept ? head.in_bytes : 0);
 }
 
 // The plan within the budget if one fits, else the least-peak one.

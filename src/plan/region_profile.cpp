@@ -125,6 +125,54 @@ at::Tensor make_tensor(const TensorSpec& spec, c10::Device device) {
   return c10::isFloatingType(spec.dtype) ? at::randn(spec.sizes, options) : at::zeros(spec.sizes, options);
 }
 
+std::string BoundarySpec::str() const {
+  std::string k;
+  for (int64_t s = 0; s < size(); ++s) {
+    k += s > 0 ? ";" : "";
+    k += same[s] != s ? fmt::format("={}", same[s]) : slots[s].str() + (grad[s] ? "G" : "");
+  }
+  return k;
+}
+
+BoundarySpec one_slot(const TensorSpec& spec, bool grad) {
+  return BoundarySpec{{spec}, {0}, {grad}};
+}
+
+std::vector<at::Tensor> make_tensors(const BoundarySpec& spec, c10::Device device, bool grad) {
+  std::vector<at::Tensor> xs(spec.slots.size());
+  for (int64_t s = 0; s < spec.size(); ++s) {
+    if (spec.same[s] != s) {
+      xs[s] = xs[spec.same[s]];
+      continue;
+    }
+    xs[s] = make_tensor(spec.slots[s], device);
+    if (grad && spec.grad[s]) {
+      xs[s].requires_grad_(true);
+    }
+  }
+  return xs;
+}
+
+int64_t counted_in_bytes(const BlockProfile& prof, SlotMask counted, bool kept_only) {
+  int64_t bytes = 0;
+  for (size_t s = 0; s < prof.in_bytes.size(); ++s) {
+    if (((counted >> s) & 1U) != 0 && (!kept_only || prof.in_kept[s])) {
+      bytes += prof.in_bytes[s];
+    }
+  }
+  return bytes;
+}
+
+SlotMask counted_out(const BlockProfile& prof, SlotMask counted) {
+  SlotMask out = 0;
+  for (size_t t = 0; t < prof.out_kept.size(); ++t) {
+    const int a = prof.out_alias[t];
+    const bool kept = a >= 0 ? (((counted >> a) & 1U) != 0 || prof.in_kept[a]) : prof.out_kept[t];
+    out |= kept ? SlotMask{1} << t : SlotMask{0};
+  }
+  return out;
+}
+
 namespace {
 
 // The op a NotImplementedError names: "Could not run 'aten::foo' with
@@ -189,8 +237,8 @@ struct PolicyTally {
   double recompute_cost = 0.0;
   double forward_cost = 0.0;
   std::vector<std::tuple<std::string, double, bool>> calls;
-  const c10::StorageImpl* input_storage = nullptr;  // set once the input is made
-  std::pair<std::string, bool> input_writer;        // (op, in place)
+  std::unordered_set<const c10::StorageImpl*> input_storages;  // set once the inputs are made
+  std::pair<std::string, bool> input_writer;                   // (op, in place)
 };
 
 // The run's policy (`saved_ops` saved for kSelective, else everything
@@ -203,10 +251,10 @@ SelectivePolicy counting_policy(BlockMode mode, const std::vector<std::string>& 
                                                           });
   return [inner, op_cost, tally, counts = std::map<std::string, int64_t>{}](
              const SelectiveContext& ctx, const SelectiveOp& op) mutable {
-    if (!ctx.is_recompute && tally->input_storage != nullptr && !tally->input_writer.second) {
+    if (!ctx.is_recompute && !tally->input_storages.empty() && !tally->input_writer.second) {
       for (const auto& v : op.inputs) {
         if (v.isTensor() && v.toTensor().defined() && v.toTensor().has_storage() &&
-            v.toTensor().storage().unsafeGetStorageImpl() == tally->input_storage) {
+            tally->input_storages.count(v.toTensor().storage().unsafeGetStorageImpl()) != 0) {
           const bool in_place = !op.name.empty() && op.name.back() == '_';
           if (tally->input_writer.first.empty() || in_place) {
             tally->input_writer = {op.name, in_place};
@@ -231,16 +279,55 @@ SelectivePolicy counting_policy(BlockMode mode, const std::vector<std::string>& 
   };
 }
 
-// The run's output boundary (Note [Boundary storages]), while `y` (one
-// tensor, one storage reference) is still held by the caller: whether
-// autograd keeps its storage; a view of the input shares the input's
-// storage and is decided with it later.
-void note_output(const at::Tensor& x, const at::Tensor& y, BlockProfile& prof) {
-  prof.out_bytes = storage_bytes(y);
-  prof.out_aliases_in = x.has_storage() && y.has_storage() &&
-      y.storage().unsafeGetStorageImpl() == x.storage().unsafeGetStorageImpl();
-  if (!prof.out_aliases_in) {
-    prof.out_kept = y.has_storage() && kept_by_autograd(y);
+// Each slot's first slot holding the same tensor (itself where none does).
+std::vector<int> same_tensors(const std::vector<at::Tensor>& ts) {
+  std::vector<int> same(ts.size());
+  for (size_t t = 0; t < ts.size(); ++t) {
+    same[t] = static_cast<int>(t);
+    for (size_t u = 0; u < t; ++u) {
+      if (ts[u].unsafeGetTensorImpl() == ts[t].unsafeGetTensorImpl()) {
+        same[t] = static_cast<int>(u);
+        break;
+      }
+    }
+  }
+  return same;
+}
+
+// Keeps one reference to each distinct tensor of `ts` (so that
+// kept_by_autograd() sees autograd's references alone); returns each
+// slot's first slot holding the same tensor.
+std::vector<int> hold_once(std::vector<at::Tensor>& ts) {
+  auto same = same_tensors(ts);
+  for (size_t t = 0; t < ts.size(); ++t) {
+    if (same[t] != static_cast<int>(t)) {
+      ts[t] = at::Tensor();
+    }
+  }
+  return same;
+}
+
+// The run's output boundary (Note [Boundary storages]), while `ys` (each
+// tensor once, one storage reference) are still held by the caller:
+// whether autograd keeps each one's storage; one on an input's storage (a
+// view of it, or the input passed on) is decided with that input later.
+void note_outputs(const std::vector<at::Tensor>& xs, std::vector<at::Tensor>& ys, BlockProfile& prof) {
+  const auto same = hold_once(ys);
+  prof.out_kept.assign(ys.size(), false);
+  prof.out_alias.assign(ys.size(), -1);
+  for (size_t t = 0; t < ys.size(); ++t) {
+    const auto& y = ys[same[t]];
+    for (size_t s = 0; s < xs.size() && y.has_storage(); ++s) {
+      if (xs[s].has_storage() && y.storage().unsafeGetStorageImpl() == xs[s].storage().unsafeGetStorageImpl()) {
+        prof.out_alias[t] = static_cast<int>(s);
+        break;
+      }
+    }
+  }
+  for (size_t t = 0; t < ys.size(); ++t) {
+    if (prof.out_alias[t] < 0) {
+      prof.out_kept[t] = ys[same[t]].has_storage() && kept_by_autograd(ys[same[t]]);
+    }
   }
 }
 
@@ -260,25 +347,22 @@ int64_t backward_transient(ByteCounter& counter, const at::Tensor& loss, bool cp
 
 // The run's forward: its regions under `mode` (a checkpoint of them under
 // `policy` unless kStore), metered by `meter`.
-at::Tensor run_forward(const RunSpec& run, BlockMode mode, const SelectivePolicy& policy, const at::Tensor& x,
-                       SavedTensorMeter& meter) {
+std::vector<at::Tensor> run_forward(const RunSpec& run, BlockMode mode, const SelectivePolicy& policy,
+                                    const std::vector<at::Tensor>& xs, SavedTensorMeter& meter) {
   const auto* regions = run.regions;
-  auto body = [regions, first = run.first, count = run.count](const at::Tensor& t) {
-    at::Tensor y = t;
-    for (int64_t j = first; j < first + count; ++j) {
-      y = (*regions)[j](y);
-    }
-    return y;
+  auto body = [regions, first = run.first, count = run.count](const std::vector<at::Tensor>& ts) {
+    return run_span(*regions, first, count, ts);
   };
   SavedTensorMeterGuard metered(meter);
   if (mode == BlockMode::kStore) {
-    return body(x);
+    return body(xs);
   }
   auto opts = CheckpointOptions().context_fn(create_selective_checkpoint_contexts(policy));
-  return checkpoint(body, x, opts);
+  return checkpoint(body, xs, opts);
 }
 
-// The run's input on `device`, and the live bytes before it, where the
+// The run's inputs on `device`, one per slot (a slot that repeats another
+// holds that slot's tensor), and the live bytes before them, where the
 // run's peak window opens (`base`). An input that needs a gradient is a
 // clone of a leaf made before `base`, not the leaf itself: in the step it is
 // the previous region's output, a non-leaf, which an in-place op may write
@@ -288,30 +372,61 @@ at::Tensor run_forward(const RunSpec& run, BlockMode mode, const SelectivePolicy
 // step's input (region 0) is made before `base`: it is in the step's static
 // bytes.
 struct RunInput {
-  at::Tensor x;
-  at::Tensor leaf;
+  std::vector<at::Tensor> xs;
+  std::vector<at::Tensor> leaves;
   int64_t base = 0;
 };
 
 RunInput make_input(const RunSpec& run, c10::Device device, ByteCounter& counter) {
+  const auto& spec = run.input;
+  const auto n = static_cast<size_t>(spec.size());
   RunInput in;
-  if (run.input_is_static) {
-    in.x = make_tensor(run.input, device);
-  }
-  if (!run.input_is_static && run.grad_input) {
-    in.leaf = make_tensor(run.input, device).requires_grad_(true);
+  in.xs.resize(n);
+  in.leaves.resize(n);
+  for (size_t s = 0; s < n; ++s) {
+    if (spec.same[s] != static_cast<int>(s)) {
+      continue;
+    }
+    if (run.input_is_static) {
+      in.xs[s] = make_tensor(spec.slots[s], device);
+    } else if (spec.grad[s]) {
+      in.leaves[s] = make_tensor(spec.slots[s], device).requires_grad_(true);
+    }
   }
   in.base = counter.live();
   counter.reset_peak();
-  if (in.leaf.defined()) {
-    in.x = in.leaf.clone();
-  } else if (!run.input_is_static) {
-    in.x = make_tensor(run.input, device);
-  }
-  if (run.grad_input && !in.leaf.defined()) {
-    in.x.requires_grad_(true);
+  for (size_t s = 0; s < n; ++s) {
+    if (spec.same[s] != static_cast<int>(s)) {
+      in.xs[s] = in.xs[spec.same[s]];
+      continue;
+    }
+    if (in.leaves[s].defined()) {
+      in.xs[s] = in.leaves[s].clone();
+    } else if (!run.input_is_static) {
+      in.xs[s] = make_tensor(spec.slots[s], device);
+    }
+    if (spec.grad[s] && !in.leaves[s].defined()) {
+      in.xs[s].requires_grad_(true);
+    }
   }
   return in;
+}
+
+// The step's loss stand-in over a run's outputs: (y * 2).sum() of each one
+// that needs a gradient (mul by a scalar and sum save nothing of y), added
+// up; undefined when none does (no backward reaches them: no parameters up
+// to here).
+at::Tensor stand_in_loss(const std::vector<at::Tensor>& ys) {
+  at::Tensor loss;
+  const auto same = same_tensors(ys);
+  for (size_t t = 0; t < ys.size(); ++t) {
+    if (same[t] != static_cast<int>(t) || !ys[t].requires_grad()) {
+      continue;
+    }
+    auto l = (ys[t] * 2.0).sum();
+    loss = loss.defined() ? loss + l : l;
+  }
+  return loss;
 }
 
 } // namespace
@@ -336,9 +451,23 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   const SelectivePolicy counting = counting_policy(mode, saved_ops, op_cost, tally);
   reset_grads(params);
   const auto device = run.cpu ? c10::Device(at::kCPU) : c10::Device(at::kMeta);
-  auto [x, leaf, base] = make_input(run, device, counter);
-  tally->input_storage = x.has_storage() ? x.storage().unsafeGetStorageImpl() : nullptr;
-  const auto input_version = x._version();
+  RunInput in = make_input(run, device, counter);
+  auto& xs = in.xs;
+  auto& leaves = in.leaves;
+  const int64_t base = in.base;
+  std::vector<int64_t> input_versions;
+  for (const auto& x : xs) {
+    if (x.has_storage()) {
+      tally->input_storages.insert(x.storage().unsafeGetStorageImpl());
+    }
+    input_versions.push_back(x._version());
+  }
+  auto written = [&] {
+    for (size_t s = 0; s < xs.size(); ++s) {
+      if (xs[s].defined() && xs[s]._version() != input_versions[s]) return true;
+    }
+    return false;
+  };
   at::Tensor loss;
   // What the step's meter will count for this run: its own parameters and
   // buffers excluded, as SavedTensorMeter(module) excludes the model's.
@@ -349,7 +478,7 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     }
   }
   {
-    at::Tensor y;
+    std::vector<at::Tensor> ys;
     {
       // The forward's ops get autocast's casts where the regions enable it
       // (Note [Autocast on meta]); backward follows the forward's types.
@@ -357,30 +486,37 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
       if (!run.cpu) {
         autocast.emplace(c10::kCPU);
       }
-      y = run_forward(run, mode, counting, x, meter);
+      ys = run_forward(run, mode, counting, xs, meter);
     }
     prof.choice.forward_peak_bytes = counter.peak() - base;
-    if (mode != BlockMode::kStore && x._version() != input_version) {
-      // The checkpoint keeps `x` for its recompute, and the region wrote it:
-      // backward would throw (Note [Regions that start in place]).
+    if (mode != BlockMode::kStore && written()) {
+      // The checkpoint keeps its inputs for its recompute, and the region
+      // wrote one: backward would throw (Note [Regions that start in place]).
       const auto& writer = tally->input_writer.first;
       prof.unavailable = fmt::format("{} writes the region's input in place, which a checkpoint keeps",
                                      writer.empty() ? std::string("an op") : writer);
       prof.forward_cost = tally->forward_cost;
       prof.calls = tally->calls;
-      tally->input_storage = nullptr;
+      tally->input_storages.clear();
       return prof;
     }
-    if (y.requires_grad()) {  // else: no backward reaches it (no parameters up to here)
-      loss = (y * 2.0).sum();  // mul by a scalar and sum save nothing of y
-    }
-    note_output(x, y, prof);
+    loss = stand_in_loss(ys);
+    note_outputs(xs, ys, prof);
   }
   const int64_t after_forward = counter.live();
-  prof.in_bytes = storage_bytes(x);
-  prof.in_kept = kept_by_autograd(x);  // `y` is gone: only autograd can hold it now
-  if (prof.out_aliases_in) {
-    prof.out_kept = prof.in_kept;
+  // The outputs are gone: only autograd can hold an input now.
+  const auto same_in = hold_once(xs);
+  prof.in_bytes.assign(xs.size(), 0);
+  prof.in_kept.assign(xs.size(), false);
+  for (size_t s = 0; s < xs.size(); ++s) {
+    const auto& x = xs[same_in[s]];
+    prof.in_bytes[s] = same_in[s] == static_cast<int>(s) ? storage_bytes(x) : 0;
+    prof.in_kept[s] = kept_by_autograd(x);
+  }
+  for (size_t t = 0; t < prof.out_kept.size(); ++t) {
+    if (prof.out_alias[t] >= 0) {
+      prof.out_kept[t] = prof.in_kept[prof.out_alias[t]];
+    }
   }
   // The bytes kept are the meter's count, not the live bytes above `base`:
   // the two agree (the input counted where autograd or the checkpoint keeps
@@ -391,13 +527,13 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   prof.choice.stored_bytes = meter.report().saved_bytes;
   if (run.input_is_static) {
     // Made before `base` (it is in the step's static bytes).
-    prof.choice.forward_peak_bytes += prof.in_bytes;
+    prof.choice.forward_peak_bytes += prof.in_bytes[0];
   }
   prof.choice.backward_transient_bytes = backward_transient(counter, loss, run.cpu, after_forward);
   loss = at::Tensor();
-  x = at::Tensor();
-  leaf = at::Tensor();
-  tally->input_storage = nullptr;
+  xs.clear();
+  leaves.clear();
+  tally->input_storages.clear();
   reset_grads(params);
   prof.choice.recompute_cost = mode == BlockMode::kStore ? 0.0 : tally->recompute_cost;
   prof.choice.rng_state_bytes = mode == BlockMode::kStore ? 0 : cpu_rng_state_bytes();

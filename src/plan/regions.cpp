@@ -17,17 +17,41 @@
 #include "trainmem/checkpoint.h"
 #include "trainmem/format.h"
 #include "trainmem/selective.h"
+#include "plan/detail/plan_internal.h"
 
 namespace trainmem {
 
-Region::Region(std::string name, Forward forward, std::vector<std::shared_ptr<torch::nn::Module>> modules)
+Region::Region(std::string name, ListForward forward, std::vector<std::shared_ptr<torch::nn::Module>> modules)
     : name_(std::move(name)),
-      forward_(std::make_shared<Forward>(std::move(forward))),
-      modules_(std::move(modules)) {
+      forward_(std::make_shared<ListForward>(std::move(forward))),
+      modules_(std::move(modules)),
+      takes_tensors_(true) {
   TORCH_CHECK(static_cast<bool>(*forward_), "Region: the forward function of '", name_, "' is empty");
   for (size_t i = 0; i < modules_.size(); ++i) {
     TORCH_CHECK(modules_[i] != nullptr, "Region: module ", i, " of '", name_, "' is null");
   }
+}
+
+namespace {
+
+// A one-tensor forward as a Tensors(Tensors) one (empty if `f` is).
+Region::ListForward over_tensors(Region::Forward f, const std::string& name) {
+  if (!f) {
+    return {};
+  }
+  return [f = std::move(f), name](const Region::Tensors& xs) -> Region::Tensors {
+    TORCH_CHECK(xs.size() == 1, "Region '", name, "' takes one tensor, but was given ", xs.size(),
+                " (the region before it returns them all; give '", name,
+                "' a Tensors(Tensors) forward to take several)");
+    return {f(xs[0])};
+  };
+}
+
+} // namespace
+
+Region::Region(std::string name, Forward forward, std::vector<std::shared_ptr<torch::nn::Module>> modules)
+    : Region(name, over_tensors(std::move(forward), name), std::move(modules)) {
+  takes_tensors_ = false;
 }
 
 Region::Region(torch::nn::AnyModule module)
@@ -38,7 +62,14 @@ Region::Region(torch::nn::AnyModule module)
              {module.ptr()}) {}
 
 at::Tensor Region::operator()(const at::Tensor& input) const {
-  return (*forward_)(input);
+  auto out = (*forward_)({input});
+  TORCH_CHECK(out.size() == 1, "Region '", name_, "' returned ", out.size(),
+              " tensors where one was expected (the last region returns the loss's input alone)");
+  return std::move(out[0]);
+}
+
+Region::Tensors Region::operator()(const Tensors& inputs) const {
+  return (*forward_)(inputs);
 }
 
 std::vector<Region> regions_of(const torch::nn::Sequential& sequential) {
@@ -62,6 +93,18 @@ std::vector<Region> regions_of(const torch::nn::ModuleList& list) {
   return regions;
 }
 
+namespace detail {
+
+std::vector<at::Tensor> run_span(const std::vector<Region>& regions, int64_t first, int64_t count,
+                                 std::vector<at::Tensor> xs) {
+  for (int64_t j = first; j < first + count; ++j) {
+    xs = regions[j](xs);
+  }
+  return xs;
+}
+
+} // namespace detail
+
 at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,
                        const BlockCheckpointing& plan) {
   const auto L = static_cast<int64_t>(regions.size());
@@ -70,11 +113,11 @@ at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& inp
   TORCH_CHECK(plan.region_length.empty() || static_cast<int64_t>(plan.region_length.size()) == L,
               "run_regions: the plan '", plan.name, "' has ", plan.region_length.size(),
               " region lengths, expected 0 or ", L);
-  at::Tensor x = input;
+  std::vector<at::Tensor> xs = {input};
   for (int64_t i = 0; i < L;) {
     const int64_t k = plan.region_length.empty() ? 1 : std::max<int64_t>(1, plan.region_length[i]);
     if (!plan.blocks[i]) {
-      x = regions[i](x);
+      xs = regions[i](xs);
       ++i;
       continue;
     }
@@ -83,18 +126,16 @@ at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& inp
     // The recompute runs in backward, after this returns: the closure keeps
     // its own copies of the regions (they share callables and modules).
     std::vector<Region> run(regions.begin() + i, regions.begin() + i + k);
-    x = checkpoint(
-        [run = std::move(run)](const at::Tensor& t) {
-          at::Tensor y = t;
-          for (const auto& r : run) {
-            y = r(y);
-          }
-          return y;
+    xs = checkpoint(
+        [run = std::move(run)](const std::vector<at::Tensor>& ts) {
+          return detail::run_span(run, 0, static_cast<int64_t>(run.size()), ts);
         },
-        x, plan.options_for(i));
+        xs, plan.options_for(i));
     i += k;
   }
-  return x;
+  TORCH_CHECK(xs.size() == 1, "run_regions: the last region '", regions.back().name(), "' returned ", xs.size(),
+              " tensors; the loss takes one");
+  return std::move(xs[0]);
 }
 
 at::Tensor run_regions(const std::vector<Region>& regions, const at::Tensor& input,

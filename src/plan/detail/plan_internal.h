@@ -38,15 +38,17 @@ struct OpKind {
 // What one profiling run of a block saw (see Note [Checkpoint planner]).
 struct BlockProfile {
   BlockChoice choice;
-  // The run's boundary tensors (Note [Boundary storages]): its input's and
-  // its output's storage bytes, whether autograd (or the checkpoint) keeps
-  // each, and whether the output shares the input's storage (a view region).
+  // The run's boundary tensors (Note [Boundary storages]), one entry per
+  // slot of its input and of its output (Note [Regions with several
+  // tensors]): each input's storage bytes (0 in a slot that repeats an
+  // earlier slot's tensor) and whether autograd (or the checkpoint) keeps
+  // it; per output, whether autograd keeps it, and the input slot whose
+  // storage it shares (a view region, a skip tensor passed on), or -1.
   // choice.stored_bytes counts each kept one once.
-  int64_t in_bytes = 0;
-  bool in_kept = false;
-  int64_t out_bytes = 0;
-  bool out_kept = false;
-  bool out_aliases_in = false;
+  std::vector<int64_t> in_bytes;
+  std::vector<bool> in_kept;
+  std::vector<bool> out_kept;
+  std::vector<int> out_alias;
   double forward_cost = 0;
   // Op calls of the forward, in order: (call, cost, cacheable).
   std::vector<std::tuple<std::string, double, bool>> calls;
@@ -64,6 +66,42 @@ struct TensorSpec {
     return fmt::format("{}[{}]", c10::toString(dtype), fmt::join(sizes, ","));
   }
 };
+
+// The tensors between two regions, one per slot (Note [Regions with several
+// tensors]): each one's shape and dtype, the first slot holding the same
+// tensor (itself where none does), and whether it needs a gradient.
+struct BoundarySpec {
+  std::vector<TensorSpec> slots;
+  std::vector<int> same;
+  std::vector<bool> grad;
+  int64_t size() const { return static_cast<int64_t>(slots.size()); }
+  std::string str() const;
+};
+
+// A boundary of one tensor (the step's input, the loss head's input).
+BoundarySpec one_slot(const TensorSpec& spec, bool grad = false);
+
+// The tensors of `spec` on `device` (make_tensor each; a slot that repeats
+// another gets that slot's tensor), needing gradients where `spec` says so
+// when `grad` (as leaves).
+std::vector<at::Tensor> make_tensors(const BoundarySpec& spec, c10::Device device, bool grad);
+
+// Bit s: the storage in slot s of a boundary is counted already (Note
+// [Boundary storages]). At most kMaxSlots slots.
+using SlotMask = uint32_t;
+constexpr int64_t kMaxSlots = 32;
+constexpr SlotMask kAllSlots = ~SlotMask{0};
+
+// The input bytes of `prof` whose slots `counted` has: those it keeps
+// (`kept_only`), or all.
+int64_t counted_in_bytes(const BlockProfile& prof, SlotMask counted, bool kept_only);
+// The output slots counted after `prof` ran on a boundary counted as `counted`.
+SlotMask counted_out(const BlockProfile& prof, SlotMask counted);
+
+// Runs regions [first, first + count) on `xs`, each taking the one before's
+// outputs.
+std::vector<at::Tensor> run_span(const std::vector<Region>& regions, int64_t first, int64_t count,
+                                 std::vector<at::Tensor> xs);
 
 // Note [Planning a live model]
 // plan_regions() takes the user's model as it is, usually on CPU with its
@@ -177,8 +215,7 @@ struct RunSpec {
   const std::vector<Region>* regions = nullptr;
   int64_t first = 0;
   int64_t count = 1;
-  TensorSpec input;
-  bool grad_input = false;
+  BoundarySpec input;  // its grad flags: which inputs need a gradient
   bool cpu = false; // profile on CPU (an op has no meta kernel)
   // The input is the step's (region 0): made before the count starts, as it
   // is in the step's static bytes, not the run's.
@@ -261,11 +298,12 @@ struct DpState {
   int64_t parent = -1;
   int option = -1;
   int64_t region = 1; // blocks the last choice covers
-  // The storage of the tensor at this boundary is in `stored` already (an
-  // earlier region's output that it saved itself, a view's base) or in the
-  // static bytes (the step's input): a region that keeps it adds nothing
-  // for it (Note [Boundary storages]).
-  bool counted = true;
+  // Per slot of this boundary, whether its tensor's storage is in `stored`
+  // already (an earlier region's output that it saved itself, a view's
+  // base, a skip tensor a checkpoint kept) or in the static bytes (the
+  // step's input): a region that keeps it adds nothing for it (Note
+  // [Boundary storages]).
+  SlotMask counted = kAllSlots;
 };
 
 // What a dynamic program over block boundaries minimises (Note [Two 2-D
@@ -301,8 +339,7 @@ struct StaticTerms {
 
 // The tensors between regions, and where the regions run to be profiled.
 struct RegionShapes {
-  std::vector<TensorSpec> specs;           // L + 1: the input of each region, then the output
-  std::vector<bool> grad_in;               // region i's input needs a gradient
+  std::vector<BoundarySpec> specs;         // L + 1: the input of each region, then the output
   std::vector<bool> cpu;                   // region i runs on CPU to be profiled
   std::vector<CpuFallback> cpu_fallbacks;  // appended to while profiling too
 };
