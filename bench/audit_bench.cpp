@@ -1,4 +1,4 @@
-// The audit's overhead on real loop shapes (issue 22): a step of a few
+// The audit's overhead on real loop shapes: a step of a few
 // milliseconds, plain and inside Audit::step(). Reported as ratios to the
 // plain step in docs/benchmarks.md (goal <= 1.05x); never asserted in tests.
 #include <benchmark/benchmark.h>
@@ -87,7 +87,7 @@ struct Decoder : torch::nn::Module {
   }
 };
 
-// The other loop shapes of issue 22, each small enough for a step of a few
+// The other loop shapes (a conv net with BatchNorm, recurrent nets), each small enough for a step of a few
 // milliseconds on this machine.
 
 // DCGAN's two networks, one audit: D's step on a real and a fake batch,

@@ -12,7 +12,7 @@
 #      NCCL ranks: `audit --nproc 2 --device cuda` with 2+ GPUs (1 GPU: the
 #      1-rank NCCL run of the CUDA tests, the 2-rank run skipped, said)
 #   4. timings: audited steps on cuda, and the same on cpu
-#   5. EXTRA_PROGRAMS below: further programs (issue 15's predicted-vs-measured run)
+#   5. EXTRA_PROGRAMS below: further programs (a predicted-vs-measured run)
 #   6. with GPU_CHECK_FULL=1: the whole ctest suite in this build
 #
 # Settings (environment): TORCH_VENV (default /opt/torch/.venv), GPU_BUILD
@@ -39,8 +39,8 @@ cli=$GPU_BUILD/tools/trainmem/trainmem
 # Build their targets by adding them to EXTRA_TARGETS.
 EXTRA_TARGETS=(seed001)
 EXTRA_PROGRAMS=(
-  # Seed 001's two experiments and the capstone per checkpointing variant:
-  # predicted max_memory_allocated/reserved beside the measured (issue 15).
+  # examples/seed001's two experiments and the capstone per checkpointing variant:
+  # predicted max_memory_allocated/reserved beside the measured.
   "$GPU_BUILD/examples/seed001 --gpu"
 )
 # ------------------------------------------------------------------------------

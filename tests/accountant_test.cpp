@@ -31,7 +31,7 @@ void one_step(torch::nn::Module& model, torch::optim::Optimizer& opt, const at::
   opt.step();
 }
 
-// Seed fence 1: fp32 AdamW state is exactly 2 * 4 * P bytes after the first
+// fp32 AdamW state is exactly 2 * 4 * P bytes after the first
 // step (LibTorch keeps `step` as a plain integer: no bytes), created lazily.
 TEST(AccountantTest, AdamWStateIsTwiceParamBytes) {
   torch::manual_seed(0);
@@ -57,7 +57,7 @@ TEST(AccountantTest, AdamWStateIsTwiceParamBytes) {
   EXPECT_EQ(after.predicted_total_bytes(), 16 * P);
 }
 
-// Issue 22: module buffers (BatchNorm's running statistics) are a bucket of
+// Module buffers (BatchNorm's running statistics) are a bucket of
 // their own, exact to the byte, and never counted as parameters.
 TEST(AccountantTest, BuffersAreABucketOfTheirOwn) {
   torch::manual_seed(0);
@@ -241,7 +241,7 @@ TEST(AccountantTest, SharedParametersCountOnceAndFrozenHaveNoGradient) {
   EXPECT_EQ(f.total_bytes, 16 * (P - 100) + 4 * 100);
 }
 
-// Seed fence 2, planning part: a Linear(1000, 1000) on the meta device plans
+// A Linear(1000, 1000) on the meta device plans
 // 4,004,000 bytes with no data, and propagates shapes.
 TEST(AccountantTest, MetaLinearPlansExactBytesWithoutData) {
   torch::nn::Linear lin(1000, 1000);
@@ -279,7 +279,7 @@ TEST(AccountantTest, FormulasShowTheirTerms) {
   EXPECT_THROW(trainmem::predict_static_bytes(-5, trainmem::Recipe::kFp32AdamW), c10::Error);
 }
 
-// Issue 22: a module with buffers (BatchNorm's running statistics) gets a
+// A module with buffers (BatchNorm's running statistics) gets a
 // last formula term "buffers" of their stored bytes, which no ZeRO stage
 // shards (FSDP and DeepSpeed keep buffers whole on every rank) and no offload
 // moves. The net of BuffersAreABucketOfTheirOwn: 1,440 parameters, 208 B of

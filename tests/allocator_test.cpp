@@ -77,7 +77,7 @@ TEST(AllocatorTest, FreesFromAnotherThreadAreCounted) {
   EXPECT_EQ(after.num_frees - before.num_frees, 1);
 }
 
-// The seed's sawtooth: live bytes grow through forward, shrink in backward.
+// The sawtooth: live bytes grow through forward, shrink in backward.
 TEST(AllocatorTest, EventLogShowsTheSawtooth) {
   auto& tracker = trainmem::CpuMemoryTracker::install();
   auto w = at::randn({256, 256}).requires_grad_();

@@ -31,7 +31,7 @@ namespace {
 using trainmem::Category;
 using trainmem::Phase;
 
-torch::nn::Sequential seed_mlp() {
+torch::nn::Sequential gelu_mlp() {
   torch::manual_seed(0);
   return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::GELU(), torch::nn::Linear(256, 32));
 }
@@ -66,12 +66,12 @@ void train_step(torch::nn::Sequential& mlp, torch::optim::SGD& opt, trainmem::Au
   opt.step();
 }
 
-// Seed fence 3 through the audit: the meter's exact saved bytes, the static
+// The MLP through the audit: the meter's exact saved bytes, the static
 // buckets, the phases, and a timeline whose categories and peak agree with
 // the allocator byte for byte.
-TEST(AuditTest, SeedMlpStepIsExplainedByteForByte) {
+TEST(AuditTest, MlpStepIsExplainedByteForByte) {
   auto& tracker = trainmem::CpuMemoryTracker::install();
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   trainmem::Audit audit(*mlp, &opt);
   train_step(mlp, opt, audit);
@@ -118,7 +118,7 @@ TEST(AuditTest, SeedMlpStepIsExplainedByteForByte) {
 
 TEST(AuditTest, SecondStepFreesLastStepsGradientsAsGradients) {
   trainmem::CpuMemoryTracker::install();
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   trainmem::Audit audit(*mlp, &opt);
   train_step(mlp, opt, audit);
@@ -142,7 +142,7 @@ TEST(AuditTest, SecondStepFreesLastStepsGradientsAsGradients) {
 // piece starts from what the last one ended with.
 TEST(AuditTest, TakenTimelinesHoldTheirOwnSteps) {
   trainmem::CpuMemoryTracker::install();
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   torch::optim::SGD opt(mlp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   trainmem::Audit audit(*mlp, &opt);
   std::vector<trainmem::Timeline> pieces;
@@ -190,7 +190,7 @@ TEST(AuditTest, TakenTimelinesHoldTheirOwnSteps) {
 // after: INPUT holds one batch at a time and no category goes negative.
 TEST(AuditTest, BatchesMadeOutsideTheStepAreInputs) {
   trainmem::CpuMemoryTracker::install();
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   torch::optim::SGD opt(mlp->parameters(), 0.01);
   trainmem::Audit audit(*mlp, &opt);
   for (int i = 0; i < 3; ++i) {
@@ -213,7 +213,7 @@ TEST(AuditTest, BatchesMadeOutsideTheStepAreInputs) {
 
 TEST(AuditTest, AccumulationAlternatesForwardAndBackward) {
   trainmem::CpuMemoryTracker::install();
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   torch::optim::SGD opt(mlp->parameters(), 0.01);
   trainmem::Audit audit(*mlp, &opt);
   train_step(mlp, opt, audit, 3);
@@ -233,7 +233,7 @@ TEST(AuditTest, AccumulationAlternatesForwardAndBackward) {
 TEST(AuditTest, GradientsAreBitIdenticalWithAndWithoutAudit) {
   trainmem::CpuMemoryTracker::install();
   auto run = [](bool audited) {
-    auto mlp = seed_mlp();
+    auto mlp = gelu_mlp();
     torch::manual_seed(1);
     auto x = torch::randn({16, 32});
     std::unique_ptr<trainmem::Audit> audit;
@@ -261,7 +261,7 @@ TEST(AuditTest, GradientsAreBitIdenticalWithAndWithoutAudit) {
 
 TEST(AuditTest, MisuseIsAClearError) {
   trainmem::CpuMemoryTracker::install();
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   trainmem::Audit audit(*mlp);
   EXPECT_THROW(audit.end_step(), c10::Error);
   audit.begin_step();
@@ -288,13 +288,13 @@ TEST(AuditTest, MisuseIsAClearError) {
   }
 }
 
-// Audits the seed MLP one step per entry of `batch` (its rows), with an
+// Audits the 32-256-32 MLP one step per entry of `batch` (its rows), with an
 // `Optimizer` made with `lr`: the report and the timeline's event count.
 template <typename Optimizer>
 std::pair<trainmem::AuditReport, size_t> audit_mlp_steps(const std::vector<int64_t>& batch,
                                                          trainmem::AuditOptions options, double lr) {
   torch::manual_seed(0);
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   Optimizer opt(mlp->parameters(), lr);
   trainmem::Audit audit(*mlp, &opt, c10::Device(c10::kCPU), std::move(options));
   for (const auto b : batch) {
@@ -308,7 +308,7 @@ std::pair<trainmem::AuditReport, size_t> audit_mlp_steps(const std::vector<int64
 
 // AuditOptions::meter_every(3) over seven steps whose batch changes: steps
 // 0, 3 and 6 are metered, each exactly as an audit that meters every step
-// (2,304 B saved per sample: the seed MLP's 36,864 B for 16); the others
+// (2,304 B saved per sample: the MLP's 36,864 B for 16); the others
 // are marked unmetered and carry the last metered figure, and none repeated
 // the metered step before it (each batch differs from it), so none is
 // known; the peaks and the timeline are every step's all the same.
@@ -452,7 +452,7 @@ TEST(AuditTest, DefaultMetersTheStepsThatDiffer) {
 
 TEST(AuditTest, ForwardOnlyStepHasOnePhase) {
   trainmem::CpuMemoryTracker::install();
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   trainmem::Audit audit(*mlp, nullptr, c10::Device(c10::kCPU), trainmem::AuditOptions().timeline(false));
   {
     auto step = audit.step();
@@ -745,7 +745,7 @@ TEST(AuditTest, OptimizedInputHasItsOwnBucket) {
   EXPECT_THROW(audit.add_optimized_input(torch::zeros({2}), "not a leaf that requires grad"), c10::Error);
 }
 
-// Issue 22: a conv net's BatchNorm running statistics (running_mean,
+// A conv net's BatchNorm running statistics (running_mean,
 // running_var, num_batches_tracked) are the "buffers" bucket and BUFFER on
 // the timeline, to the byte; PARAMETER holds the parameters alone, and the
 // categories still add up to the allocator's live bytes.

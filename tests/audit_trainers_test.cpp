@@ -1,4 +1,4 @@
-// Audits of real training loops (issue 12): the PyTorch C++ examples' models
+// Audits of real training loops: the PyTorch C++ examples' models
 // on synthetic data, several modules and optimizers, TorchScript, offload,
 // optimizer-in-backward, threads and long runs. Saved bytes are checked
 // against PyTorch's own saved_tensors_hooks (tests/oracle/saved_bytes.py, run
@@ -184,7 +184,7 @@ torch::nn::Sequential seed_mlp() {
   return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::GELU(), torch::nn::Linear(256, 32));
 }
 constexpr int64_t kMlpParamBytes = 4 * (32 * 256 + 256 + 256 * 32 + 32);  // 66,688
-constexpr int64_t kMlpSavedBytes = 4 * (16 * 32 + 2 * 16 * 256 + 16 * 32); // 36,864, seed fence 3
+constexpr int64_t kMlpSavedBytes = 4 * (16 * 32 + 2 * 16 * 256 + 16 * 32); // 36,864
 
 // ---- tests ---------------------------------------------------------------------
 
@@ -890,7 +890,7 @@ TEST(AuditTrainersTest, LongRunsAreSummarizedNotListed) {
   EXPECT_THROW(trainmem::summarize_steps({}), c10::Error);
 }
 
-// ---- recurrent loops (issue 22): each audited against its Python twin and planned
+// ---- recurrent loops: each audited against its Python twin and planned
 
 // word_language_model's shape: Embedding -> 2-layer LSTM -> Linear, truncated
 // BPTT with the state carried (detached) from step to step.

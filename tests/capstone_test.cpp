@@ -1,5 +1,6 @@
-// The seed's capstone (six pre-LN blocks, d 128, 4 heads, input (16, 64, 128),
-// loss out.pow(2).mean(), AdamW): static buckets and saved activations, exact.
+// The capstone, the demo's reference transformer (six pre-LN blocks, d 128,
+// 4 heads, input (16, 64, 128), loss out.pow(2).mean(), AdamW): static
+// buckets and saved activations, exact.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
@@ -58,7 +59,7 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
   EXPECT_EQ(predicted, 50331648);
   EXPECT_EQ(estimate.total_bytes, 51052544);
   EXPECT_EQ(r.saved_bytes, estimate.total_bytes) << trainmem::to_string(r);
-  // measured / predicted = 1.014, as the seed's Python run printed.
+  // measured / predicted = 1.014, the ratio the demo prints.
   const double ratio = static_cast<double>(r.saved_bytes) / static_cast<double>(predicted);
   EXPECT_NEAR(ratio, 1.014, 0.0005) << r.saved_bytes << " / " << predicted;
 
@@ -79,7 +80,8 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
 
 namespace {
 
-// The seed's four variants, metered, with the seed's assertions made exact.
+// The capstone's four variants (none, full, every_2, selective), metered,
+// each asserted to the byte.
 TEST(CapstoneTest, FourVariantsSaveExactlyWhatTheyShould) {
   torch::manual_seed(0);
   trainmem::TransformerOptions o;
@@ -117,8 +119,8 @@ TEST(CapstoneTest, FourVariantsSaveExactlyWhatTheyShould) {
 
 namespace {
 
-// Last session's puzzle: the demo printed a CPU peak for selective (68.4 MB)
-// above none's (67.7 MB). Both are absolute live bytes, and when selective
+// The demo prints a CPU peak for selective (68.4 MB) above none's
+// (67.7 MB). Both are absolute live bytes, and when selective
 // runs, the three earlier VariantRuns hold their gradient clones (3 x
 // 4,758,528 B). What the step itself adds is well below none's; selective's
 // own peak is in its forward (the cache's pre-bias copies beside the block's

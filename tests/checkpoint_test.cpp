@@ -19,7 +19,7 @@ namespace {
 
 using Grads = std::vector<at::Tensor>;
 
-torch::nn::Sequential seed_mlp() {
+torch::nn::Sequential gelu_mlp() {
   torch::manual_seed(0);
   return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::GELU(),
                                torch::nn::Linear(256, 32));
@@ -56,10 +56,10 @@ void expect_identical(const Grads& a, const Grads& b) {
   }
 }
 
-// Seed fence 3, checkpoint part: only the region's input (and pow's input
+// Only the region's input (and pow's input
 // outside the region) is kept, and the gradients are identical.
 TEST(CheckpointTest, KeepsOnlyTheInputsWithIdenticalGradients) {
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
   const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).pow(2).sum(); });
 
@@ -80,7 +80,7 @@ TEST(CheckpointTest, KeepsOnlyTheInputsWithIdenticalGradients) {
 }
 
 TEST(CheckpointTest, WorksWhenNoInputRequiresGrad) {
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   auto x = torch::randn({16, 32});
   const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).pow(2).sum(); });
   trainmem::checkpoint(mlp, x).pow(2).sum().backward();
@@ -88,7 +88,7 @@ TEST(CheckpointTest, WorksWhenNoInputRequiresGrad) {
 }
 
 TEST(CheckpointTest, WorksWithAutogradGradAndBackwardInputs) {
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
   auto w = mlp->parameters()[0];
   auto ref = torch::autograd::grad({mlp->forward(x).pow(2).sum()}, {x, w});
@@ -102,7 +102,7 @@ TEST(CheckpointTest, WorksWithAutogradGradAndBackwardInputs) {
 }
 
 TEST(CheckpointTest, NestedCheckpointsGiveIdenticalGradients) {
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
   const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).exp().sum(); });
   auto inner = [&](const at::Tensor& h) { return mlp[2]->as<torch::nn::Linear>()->forward(h); };
@@ -199,7 +199,7 @@ TEST(CheckpointTest, DifferentNumberOfSavedTensorsIsAnError) {
 }
 
 TEST(CheckpointTest, BackwardTwiceWithoutRetainGraphIsAnError) {
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   auto x = torch::randn({4, 32}).requires_grad_();
   auto loss = trainmem::checkpoint(mlp, x).pow(2).sum();
   loss.backward();
@@ -220,7 +220,7 @@ TEST(CheckpointTest, BackwardTwiceWithoutRetainGraphIsAnError) {
 }
 
 TEST(CheckpointTest, ReentrantGivesIdenticalGradientsAndRejectsGrad) {
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
   const auto ref = plain_grads(x, *mlp, [&] { return mlp->forward(x).pow(2).sum(); });
   const auto reentrant = trainmem::CheckpointOptions().use_reentrant(true);

@@ -1,5 +1,5 @@
 #!/bin/sh
-# CLI fault injection (issue 13): hostile and bad input to the `trainmem`
+# CLI fault injection: hostile and bad input to the `trainmem`
 # command. Each case prints what the command printed, then "status N"; the
 # ctests in tools/trainmem/CMakeLists.txt assert the message and exit code.
 #

@@ -10,17 +10,11 @@
 #include "trainmem/cuda_predict.h"
 #include "trainmem/meta.h"
 #include "trainmem/models/estimate.h"
+#include "support/error_of.h"
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using trainmem::testing::error_of;
 
 TEST(CudaGpuTest, GpusByName) {
   EXPECT_EQ(trainmem::cuda_gpu("h100").compute_capability, 90);

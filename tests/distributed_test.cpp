@@ -27,7 +27,7 @@
 namespace trainmem {
 namespace {
 
-// Small enough for 4 ranks on 2 cores; the seed's architecture.
+// Small enough for 4 ranks on 2 cores; the capstone's architecture.
 TransformerOptions small_model() {
   return TransformerOptions().num_layers(2).d_model(64).num_heads(4).batch(8).seq_len(16);
 }
@@ -123,8 +123,7 @@ std::atomic<int> g_most_threads_at_fork{0};
 // The launcher forks its ranks before it starts the store's server thread
 // (or any other): a thread running at fork() may hold a lock that the
 // child, which has none of the parent's other threads, then waits on for
-// ever (one 4-rank run in a CI run of 2026-12-05 had a rank that never
-// reached the store).
+// ever (a 4-rank run in CI once had a rank that never reached the store).
 TEST(DistributedTest, RanksAreForkedFromASingleThread) {
   ASSERT_EQ(thread_count(), 1) << "this test must start with one thread";
   ASSERT_EQ(pthread_atfork([] { g_most_threads_at_fork = std::max(g_most_threads_at_fork.load(), thread_count()); },

@@ -16,6 +16,7 @@
 #include "trainmem/meter.h"
 #include "trainmem/planner.h"
 #include "region_planner_check.h"
+#include "support/error_of.h"
 
 namespace {
 
@@ -41,14 +42,7 @@ at::Tensor meta_tokens(int64_t B, int64_t T) {
   return at::empty({B, T}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using trainmem::testing::error_of;
 
 TEST(HfModelTest, Gpt2SmallFromItsConfigHasExactlyItsParameters) {
   const auto config = trainmem::load_hf_config(data("gpt2.json"));

@@ -27,19 +27,13 @@
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
 #include "trainmem/planner.h"
+#include "support/error_of.h"
 
 namespace {
 
 const at::TensorOptions kMeta = at::TensorOptions().device(at::kMeta);
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using trainmem::testing::error_of;
 
 // ---------------------------------------------------------------------------
 // Op by op: the meta call gives the CPU call's sizes, strides, dtypes and

@@ -126,7 +126,7 @@ TEST(MetaTest, NestedGuardsRestoreInOrder) {
   EXPECT_TRUE(at::zeros({2}).is_cpu());
 }
 
-// Seed fence 2 without the CPU detour: the module never allocates.
+// A module built on meta never allocates.
 TEST(MetaTest, BuildsLibTorchModulesWithoutAllocating) {
   auto& tracker = trainmem::CpuMemoryTracker::install();
   const auto before = tracker.stats();

@@ -23,16 +23,16 @@ int64_t node_bytes(const trainmem::SavedTensorReport& r, const std::string& node
   return -1;
 }
 
-torch::nn::Sequential seed_mlp() {
+torch::nn::Sequential gelu_mlp() {
   torch::manual_seed(0);
   return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::GELU(),
                                torch::nn::Linear(256, 32));
 }
 
-// Seed fence 3, meter part: a 32 -> 256 -> 32 MLP at batch 16 saves x, the
+// A 32 -> 256 -> 32 MLP at batch 16 saves x, the
 // first Linear's output, the GELU output and the MLP output (pow's input).
-TEST(MeterTest, CountsSeedMlpExactly) {
-  auto mlp = seed_mlp();
+TEST(MeterTest, CountsMlpExactly) {
+  auto mlp = gelu_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
   trainmem::SavedTensorMeter meter(*mlp);
   at::Tensor loss;
@@ -112,7 +112,7 @@ TEST(MeterTest, DeduplicatesViewsOfOneStorage) {
 }
 
 TEST(MeterTest, GradientsAreBitIdentical) {
-  auto mlp = seed_mlp();
+  auto mlp = gelu_mlp();
   auto x = torch::randn({16, 32}).requires_grad_();
   mlp->forward(x).pow(2).sum().backward();
   std::vector<at::Tensor> ref{x.grad().clone()};

@@ -18,6 +18,7 @@
 #include "trainmem/master_weights.h"
 #include "trainmem/models/lora.h"
 #include "trainmem/planner.h"
+#include "support/error_of.h"
 
 namespace {
 
@@ -25,14 +26,7 @@ std::string data(const std::string& name) {
   return std::string(TRAINMEM_TEST_DATA_DIR) + "/" + name;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using trainmem::testing::error_of;
 
 // The step a user writes on CPU for `o`, run for real: the model built and
 // initialized on CPU, moved to bf16 for kBf16, adapted by LoRA, its loss

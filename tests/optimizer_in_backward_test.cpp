@@ -29,7 +29,7 @@ torch::nn::Linear twin_of(const torch::nn::Linear& model) {
   return ref;
 }
 
-// Seed fence 5: after backward alone, p == p0 - lr * grad, every .grad freed.
+// After backward alone, p == p0 - lr * grad, every .grad freed.
 TEST(OptimizerInBackwardTest, StepsInBackwardAndFreesGradients) {
   torch::manual_seed(0);
   const double lr = 0.1;

@@ -29,17 +29,17 @@ namespace {
 using trainmem::BlockCheckpointing;
 using trainmem::TransformerOptions;
 
-TEST(PlannerTest, AnalyticModelGivesTheSeedsAndKorthikantisFigures) {
+TEST(PlannerTest, AnalyticModelGivesTheFirstOrderAndKorthikantisFigures) {
   TransformerOptions o;  // the capstone
-  const auto seed = trainmem::analytic_activation_bytes(o);
-  EXPECT_EQ(seed.total_bytes, 50331648);
-  EXPECT_EQ(seed.total_bytes, trainmem::predicted_activation_bytes(o));
-  EXPECT_EQ(seed.per_layer_bytes, 64 * o.seq_len() * o.batch() * o.d_model());
+  const auto first_order = trainmem::analytic_activation_bytes(o);
+  EXPECT_EQ(first_order.total_bytes, 50331648);
+  EXPECT_EQ(first_order.total_bytes, trainmem::predicted_activation_bytes(o));
+  EXPECT_EQ(first_order.per_layer_bytes, 64 * o.seq_len() * o.batch() * o.d_model());
   int64_t sum = 0;
-  for (const auto& t : seed.terms) sum += t.bytes;
-  EXPECT_EQ(sum, seed.total_bytes);
+  for (const auto& t : first_order.terms) sum += t.bytes;
+  EXPECT_EQ(sum, first_order.total_bytes);
   // The exact count adds LayerNorm's mean/rstd, SDPA's log-sum-exp, the loss input.
-  EXPECT_EQ(trainmem::estimate_activation_bytes(o).total_bytes - seed.total_bytes,
+  EXPECT_EQ(trainmem::estimate_activation_bytes(o).total_bytes - first_order.total_bytes,
             4 * 4 * 16 * 64 * 6 + 4 * 16 * 4 * 64 * 6 + 4 * 16 * 64 * 128);
 
   // Korthikanti et al.: 34 s b h + 5 a s^2 b bytes per layer (fp16, dropout, eager).
@@ -146,7 +146,7 @@ TEST(PlannerTest, PredictedStepPeakOfAnMlpStack) {
   }
 }
 
-// Issue 22: BatchNorm's running statistics are live all step, as the
+// BatchNorm's running statistics are live all step, as the
 // allocator sees them, so the predicted peak counts them (StepPeak::
 // buffer_bytes; before, predict_step_peak and measure_step_peak both left
 // them out, and a user comparing the prediction with the allocator's real
@@ -195,10 +195,10 @@ TEST(PlannerTest, PredictedStepPeakOfABatchNormNetCountsItsBuffers) {
   EXPECT_EQ(predicted.peak_bytes, measured.peak_bytes);
   EXPECT_EQ(predicted.peak_bytes, window_peak);
   EXPECT_EQ(predicted.phase, measured.phase);
-  // Measured 2026-12-03: 3,786,008 B in backward, all three equal. Off the
+  // 3,786,008 B in backward, all three equal. Off the
   // peak, the forward and optimizer-step peaks are 12 B below the CPU's
   // (2,213,140 vs 2,213,152 B, 32,464 vs 32,476 B): a small CPU allocation
-  // the meta run does not see, not looked into (issue 22).
+  // the meta run does not see, not looked into.
   EXPECT_EQ(predicted.backward_peak_bytes, measured.backward_peak_bytes);
   EXPECT_EQ(predicted.phase, trainmem::StepPhase::kBackward);
   EXPECT_EQ(predicted.activation_bytes, measured.activation_bytes);
@@ -308,7 +308,8 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
 
 // The planner's composed prediction equals the whole step simulated on meta
 // for the four variants (to the loss scalar's 4 bytes), and the whole-block
-// plans it reaches are the seed's.
+// plans it reaches are those the capstone's variants name (none, full,
+// every_2).
 TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllButTheLast) {
   TransformerOptions o;
   const auto plan = trainmem::plan_checkpointing(o);

@@ -22,8 +22,11 @@
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
+#include "support/error_of.h"
 
 namespace {
+
+using trainmem::testing::error_of;
 
 struct NetImpl : torch::nn::Module {
   NetImpl() {
@@ -193,14 +196,6 @@ TEST(PredictFailureTest, AFailedPredictionLeavesNothingBehind) {
        "the optimizer's step failed on purpose"},
       {"a throw in the counted step's optimizer step", [&] { return loss_of(net); }, 2,
        "the optimizer's step failed on purpose"},
-  };
-  auto error_of = [](const std::function<void()>& f) -> std::string {
-    try {
-      f();
-    } catch (const c10::Error& e) {
-      return e.what_without_backtrace();
-    }
-    return "no error";
   };
   for (const auto& f : failures) {
     opt.throw_at = f.throw_at;

@@ -86,9 +86,9 @@ TEST(RegionPlannerConvTest, MnistConvnet) {
   // Saved bytes are exact (3,401,220 B, as the Python oracle says). The
   // CPU's peak is inside conv2's convolution_backward, whose oneDNN kernel
   // allocates about 1 MB of scratch: the meta kernel measures it once on CPU
-  // (Note [CPU convolution scratch] in meta_kernels.cpp). Measured 2026-12-01:
-  // predicted 4,752,596 B, CPU 4,752,600 B (the loss scalar); -4.96 % before
-  // the scratch was measured.
+  // (Note [CPU convolution scratch] in meta_kernels.cpp). The
+  // prediction is 4,752,596 B, the CPU's 4,752,600 B (the loss scalar); without
+  // the scratch it would be 4.96 % low.
   check_model("MNIST convnet", *net, m, &sgd);
   expect_all_on_meta(m, "MNIST convnet");
 }
@@ -236,7 +236,7 @@ TEST(RegionPlannerConvTest, ResNetStyleWithBatchNorm) {
   EXPECT_EQ(plan.region_names[1], plan.region_names[2]);
 }
 
-// Issue 22: plain conv nets at 8 x 3 x 160 x 160, one region per module of a
+// Plain conv nets at 8 x 3 x 160 x 160, one region per module of a
 // Sequential: Conv2d(3x3, padding 1) [+ BatchNorm2d] + ReLU, 3 -> 16 -> 32 ->
 // 64 channels, 2x2 max pooling between.
 nn::Sequential plain_conv_net(bool batch_norm) {
@@ -310,11 +310,11 @@ BudgetRun plan_at_fraction(const std::string& name, nn::Module& module, RegionMo
 // native_batch_norm_backward allocates its grad_input twice on its
 // contiguous path (Note [CPU batch norm scratch] in meta_kernels.cpp), so a
 // BatchNorm backward in a recompute was 13 MB (8 x 16 x 160 x 160 floats)
-// over the plan. Measured 2026-12-02 (2 threads), before: at 70 % a plan of
+// over the plan. Without that scratch (2 threads): at 70 % a plan of
 // 46,902,656 B "fit" a 48,881,190 B budget and measured 55,182,016 B
 // (-15.0 %); at 80 %, 53,612,288 B vs 56,733,568 B (-5.5 %) over its
 // 55,864,217 B budget; 'none' -512 B (the forward's statistics, made twice).
-// After: every plan's prediction equals the CPU's, and 55,182,016 B is the
+// With it: every plan's prediction equals the CPU's, and 55,182,016 B is the
 // smallest reachable peak, so 70 % has no plan.
 TEST(RegionPlannerConvTest, PlainConvNetWithBatchNormSegments) {
   at::manual_seed(1);
@@ -350,13 +350,13 @@ TEST(RegionPlannerConvTest, PlainConvNetWithoutBatchNormSegments) {
 
 // The net without BatchNorm, with a head that flattens the 64 x 40 x 40
 // features into a Linear (5.7 M parameters) under Adam: plans that checkpoint
-// have their peak in Adam's step, where the planner counted the step's input
-// (made in the step, freed with the graph in backward) as live: over by
-// 2,457,600 B, the 8 x 3 x 160 x 160 input (Note [Checkpoint planner]).
-// Measured 2026-12-02, before: every plan's peak was predicted in Adam's step
-// at 140,461,440 B, so no checkpointing seemed to help and every budget got
-// 'none', which the CPU measured at 138,885,000 B (in backward; +1.14 %).
-// After: 'none' is exact, and checkpointing lowers the peak to Adam's step,
+// have their peak in Adam's step, where the step's input (made in the step,
+// freed with the graph in backward) is not live (Note [Checkpoint planner]).
+// Counted live, it would put every plan's peak in Adam's step at
+// 140,461,440 B (2,457,600 B over, the 8 x 3 x 160 x 160 input), so no
+// checkpointing would seem to help and every budget would get 'none', which
+// the CPU measures at 138,885,000 B (in backward; +1.14 %). Not counted:
+// 'none' is exact, and checkpointing lowers the peak to Adam's step,
 // predicted 138,003,840 B; the CPU is 12 B above there, as in every Adam
 // step: each Tensor-Scalar op makes a CPU scalar (8 B) and its float copy
 // (4 B), CPU tensors that a meta profile does not count.

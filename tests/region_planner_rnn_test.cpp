@@ -1,4 +1,4 @@
-// The region planner on recurrent nets (issue 22, parts 2 and 3): an LSTM
+// The region planner on recurrent nets: an LSTM
 // classifier with a bidirectional layer, an LSTMCell decoder unrolled over
 // steps, and a GRU stack. Each is planned on meta (Note [Meta RNNs follow the
 // CPU's kernel]), then run on CPU under each plan: saved bytes equal the

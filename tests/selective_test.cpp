@@ -24,7 +24,7 @@ std::vector<at::Tensor> grads(const at::Tensor& x, torch::nn::Module& m) {
   return g;
 }
 
-// Seed fence 4: a policy that MUST_SAVEs aten::mm reproduces the reference
+// A policy that MUST_SAVEs aten::mm reproduces the reference
 // gradients, and is consulted again during recompute, where GELU re-runs.
 TEST(SelectiveTest, SavesMatmulsAndConsultsThePolicyInRecompute) {
   auto mlp = bias_free_mlp();

@@ -424,7 +424,7 @@ TEST(SnapshotTest, ExplainsTheOomOfARecording) {
   EXPECT_EQ(w[3].num_ooms, 3);
 }
 
-// Issue 40's compiled step recorded after warm-up (stored copy of
+// A compiled step recorded after warm-up (stored copy of
 // bcrafton/assignment2-systems): no segment event, 447 blocks live before
 // recording. It diverged at event 0 (4,081,057,792 B modelled against
 // 4,238,344,192 B reserved): blocks freed in the trace took the size of

@@ -28,17 +28,11 @@
 #include "trainmem/grad_scaler.h"
 #include "trainmem/meta.h"
 #include "trainmem/models/estimate.h"
+#include "support/error_of.h"
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using trainmem::testing::error_of;
 
 void expect_equal(const trainmem::StepFunctionPeak& predicted, const trainmem::StepFunctionPeak& measured,
                   const char* what) {

@@ -22,7 +22,7 @@ int64_t bucket(const trainmem::AuditReport& r, const std::string& name) {
   return -1;
 }
 
-// The defaults are the seed's capstone: the audit measures what the demo
+// The defaults are the capstone's: the audit measures what the demo
 // explains (none = 51,052,544 B), with AdamW's state after the first step.
 TEST(TrainerTest, DefaultsAreTheCapstone) {
   const auto run = trainmem::train(trainmem::TrainerOptions());

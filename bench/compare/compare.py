@@ -1,4 +1,4 @@
-"""trainmem beside PyTorch's Python tools, on the seed's capstone (make compare).
+"""trainmem beside PyTorch's Python tools, on the capstone, the demo's reference transformer (make compare).
 
 1. Check: trainmem_compare --check writes the initial weights, the input and
    each variant's gradients; torch_side.py --check runs the same weights

@@ -1,11 +1,11 @@
 """The PyTorch (Python) half of the side-by-side comparison.
 
-Runs the seed's capstone with the very weights and input that trainmem_compare
+Runs the capstone (the demo's reference transformer) with the very weights and input that trainmem_compare
 --check wrote (raw little-endian fp32 plus manifest.json), through PyTorch's
 own tools:
 
   meter        a storage-deduplicating saved_tensors_hooks meter that excludes
-               parameters by storage (the seed's fence 3)
+               parameters by storage
   full         torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
   every_2      the same on blocks 0, 2, 4, ...
   selective    create_selective_checkpoint_contexts saving mm/addmm/bmm/baddbmm
@@ -112,7 +112,7 @@ def split_like(flat, manifest):
 
 
 class Meter:
-    """Bytes of unique non-parameter storages saved for backward (fence 3)."""
+    """Bytes of unique non-parameter storages saved for backward."""
 
     def __init__(self, model):
         self.excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}

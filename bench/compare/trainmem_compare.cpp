@@ -1,7 +1,7 @@
 // trainmem_compare: the C++ half of the side-by-side comparison with
 // PyTorch's Python tools (bench/compare/compare.py drives both halves).
 //
-// The model is the seed's capstone (trainmem/models/transformer.h; 6 pre-LN blocks,
+// The model is the capstone, the demo's reference transformer (trainmem/models/transformer.h; 6 pre-LN blocks,
 // d 128, 4 heads, input (16, 64, 128), loss out.pow(2).mean(), AdamW 1e-3),
 // built from seed 0. Two modes, one JSON document on stdout each:
 //

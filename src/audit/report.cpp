@@ -347,6 +347,90 @@ void to_json(Json& j, const AuditReport& r) {
   j["notes"] = r.notes;
 }
 
+namespace {
+
+// report_from_json's parts: one step's record, the device's statistics, one
+// phase span, the thinned series (each throws c10::Error or Json::exception
+// on a malformed part).
+StepRecord step_from_json(const Json& s) {
+  StepRecord rec;
+  rec.step = count_at(s, "step");
+  rec.time_ms = number_at(s, "time_ms", 0.0, 1e15);
+  rec.peak_bytes = count_at(s, "peak_bytes");
+  rec.forward_peak_bytes = count_at(s, "forward_peak_bytes");
+  rec.backward_peak_bytes = count_at(s, "backward_peak_bytes");
+  rec.optimizer_peak_bytes = count_at(s, "optimizer_peak_bytes");
+  rec.saved_activation_bytes = count_at(s, "saved_activation_bytes");
+  if (s.contains("metered")) {  // reports before AuditOptions::meter_every have none: all metered
+    TORCH_CHECK(s["metered"].is_boolean(), "report_from_json: expected \"metered\" of step ", rec.step,
+                " to be true or false, but got ", s["metered"].dump());
+    rec.metered = s["metered"].get<bool>();
+  }
+  if (s.contains("repeats")) {  // optional: where absent, none is known
+    rec.repeats = int_value(s["repeats"], "\"repeats\" of step " + std::to_string(rec.step), -1,
+                            std::max<int64_t>(rec.step - 1, -1));
+    TORCH_CHECK(rec.repeats < 0 || !rec.metered, "report_from_json: step ", rec.step,
+                " is metered, but \"repeats\" names step ", rec.repeats);
+  }
+  return rec;
+}
+
+DeviceMemoryStats device_stats_from_json(const Json& d) {
+  DeviceMemoryStats s;
+  s.device = d.at("device").get<std::string>();
+  s.allocated_bytes = count_at(d, "allocated_bytes");
+  s.peak_allocated_bytes = count_at(d, "peak_allocated_bytes");
+  s.reserved_bytes = count_at(d, "reserved_bytes");
+  s.peak_reserved_bytes = count_at(d, "peak_reserved_bytes");
+  s.active_bytes = count_at(d, "active_bytes");
+  s.peak_active_bytes = count_at(d, "peak_active_bytes");
+  s.inactive_split_bytes = count_at(d, "inactive_split_bytes");
+  s.peak_inactive_split_bytes = count_at(d, "peak_inactive_split_bytes");
+  s.requested_bytes = count_at(d, "requested_bytes");
+  s.num_allocs = count_at(d, "num_allocs");
+  s.num_frees = count_at(d, "num_frees");
+  s.num_alloc_retries = count_at(d, "num_alloc_retries");
+  s.num_ooms = count_at(d, "num_ooms");
+  return s;
+}
+
+PhaseSpan phase_span_from_json(const Json& p) {
+  PhaseSpan span;
+  span.phase = phase_from_name(p.at("phase").get<std::string>());
+  if (p.contains("name")) {
+    span.name = p.at("name").get<std::string>();
+  }
+  span.step = count_at(p, "step");
+  span.begin_ns = count_at(p, "begin_ns");
+  span.end_ns = count_at(p, "end_ns");
+  TORCH_CHECK(span.end_ns >= span.begin_ns, "report_from_json: a phase ends (", span.end_ns,
+              " ns) before it begins (", span.begin_ns, " ns)");
+  span.peak_bytes = count_at(p, "peak_bytes");
+  span.peak_by_category = category_bytes_from(p.at("peak_by_category_bytes"));
+  return span;
+}
+
+std::vector<TimelinePoint> series_from_json(const Json& series) {
+  std::vector<TimelinePoint> out;
+  const auto& times = series.at("time_ns");
+  TORCH_CHECK(times.is_array(), "report_from_json: expected series.time_ns to be an array");
+  out.resize(times.size());
+  for (size_t i = 0; i < times.size(); ++i) {
+    out[i].time_ns = int_value(times[i], "a series time", 0, kMaxReportBytes);
+  }
+  for (auto it = series.at("bytes").begin(); it != series.at("bytes").end(); ++it) {
+    const int c = static_cast<int>(category_from_name(it.key()));
+    TORCH_CHECK(it.value().is_array() && it.value().size() == times.size(), "report_from_json: series \"",
+                it.key(), "\" has ", it.value().size(), " points, but time_ns has ", times.size());
+    for (size_t i = 0; i < times.size(); ++i) {
+      out[i].bytes[c] = int_value(it.value()[i], "series \"" + it.key() + "\" bytes", 0, kMaxReportBytes);
+    }
+  }
+  return out;
+}
+
+} // namespace
+
 void from_json(const Json& j, AuditReport& r) {
   TORCH_CHECK(j.is_object(), "report_from_json: expected a JSON object, but got ", j.type_name());
   TORCH_CHECK(j.contains("schema") && j["schema"].is_string(),
@@ -373,80 +457,20 @@ void from_json(const Json& j, AuditReport& r) {
     }
     r.predicted_activation_bytes = count_at(j, "predicted_activation_bytes", -1);  // -1: none
     for (const auto& s : j.at("steps")) {
-      StepRecord rec;
-      rec.step = count_at(s, "step");
-      rec.time_ms = number_at(s, "time_ms", 0.0, 1e15);
-      rec.peak_bytes = count_at(s, "peak_bytes");
-      rec.forward_peak_bytes = count_at(s, "forward_peak_bytes");
-      rec.backward_peak_bytes = count_at(s, "backward_peak_bytes");
-      rec.optimizer_peak_bytes = count_at(s, "optimizer_peak_bytes");
-      rec.saved_activation_bytes = count_at(s, "saved_activation_bytes");
-      if (s.contains("metered")) {  // reports before AuditOptions::meter_every have none: all metered
-        TORCH_CHECK(s["metered"].is_boolean(), "report_from_json: expected \"metered\" of step ", rec.step,
-                    " to be true or false, but got ", s["metered"].dump());
-        rec.metered = s["metered"].get<bool>();
-      }
-      if (s.contains("repeats")) {  // optional: where absent, none is known
-        rec.repeats = int_value(s["repeats"], "\"repeats\" of step " + std::to_string(rec.step), -1,
-                                std::max<int64_t>(rec.step - 1, -1));
-        TORCH_CHECK(rec.repeats < 0 || !rec.metered, "report_from_json: step ", rec.step,
-                    " is metered, but \"repeats\" names step ", rec.repeats);
-      }
-      r.steps.push_back(rec);
+      r.steps.push_back(step_from_json(s));
     }
     r.peak_bytes = count_at(j, "peak_bytes");
     r.peak_by_category = category_bytes_from(j.at("peak_by_category_bytes"));
-    const auto& d = j.at("device_stats");
-    auto& s = r.device_stats;
-    s.device = d.at("device").get<std::string>();
-    s.allocated_bytes = count_at(d, "allocated_bytes");
-    s.peak_allocated_bytes = count_at(d, "peak_allocated_bytes");
-    s.reserved_bytes = count_at(d, "reserved_bytes");
-    s.peak_reserved_bytes = count_at(d, "peak_reserved_bytes");
-    s.active_bytes = count_at(d, "active_bytes");
-    s.peak_active_bytes = count_at(d, "peak_active_bytes");
-    s.inactive_split_bytes = count_at(d, "inactive_split_bytes");
-    s.peak_inactive_split_bytes = count_at(d, "peak_inactive_split_bytes");
-    s.requested_bytes = count_at(d, "requested_bytes");
-    s.num_allocs = count_at(d, "num_allocs");
-    s.num_frees = count_at(d, "num_frees");
-    s.num_alloc_retries = count_at(d, "num_alloc_retries");
-    s.num_ooms = count_at(d, "num_ooms");
+    r.device_stats = device_stats_from_json(j.at("device_stats"));
     const auto& f = j.at("fragmentation");
     r.fragmentation.slack_bytes = count_at(f, "slack_bytes");
     r.fragmentation.inactive_split_bytes = count_at(f, "inactive_split_bytes");
     r.fragmentation.slack_fraction = number_at(f, "slack_fraction", 0.0, 1.0);
     r.fragmentation.hints = f.at("hints").get<std::vector<std::string>>();
     for (const auto& p : j.at("phases")) {
-      PhaseSpan span;
-      span.phase = phase_from_name(p.at("phase").get<std::string>());
-      if (p.contains("name")) {
-        span.name = p.at("name").get<std::string>();
-      }
-      span.step = count_at(p, "step");
-      span.begin_ns = count_at(p, "begin_ns");
-      span.end_ns = count_at(p, "end_ns");
-      TORCH_CHECK(span.end_ns >= span.begin_ns, "report_from_json: a phase ends (", span.end_ns,
-                  " ns) before it begins (", span.begin_ns, " ns)");
-      span.peak_bytes = count_at(p, "peak_bytes");
-      span.peak_by_category = category_bytes_from(p.at("peak_by_category_bytes"));
-      r.phases.push_back(span);
+      r.phases.push_back(phase_span_from_json(p));
     }
-    const auto& series = j.at("series");
-    const auto& times = series.at("time_ns");
-    TORCH_CHECK(times.is_array(), "report_from_json: expected series.time_ns to be an array");
-    r.series.resize(times.size());
-    for (size_t i = 0; i < times.size(); ++i) {
-      r.series[i].time_ns = int_value(times[i], "a series time", 0, kMaxReportBytes);
-    }
-    for (auto it = series.at("bytes").begin(); it != series.at("bytes").end(); ++it) {
-      const int c = static_cast<int>(category_from_name(it.key()));
-      TORCH_CHECK(it.value().is_array() && it.value().size() == times.size(), "report_from_json: series \"",
-                  it.key(), "\" has ", it.value().size(), " points, but time_ns has ", times.size());
-      for (size_t i = 0; i < times.size(); ++i) {
-        r.series[i].bytes[c] = int_value(it.value()[i], "series \"" + it.key() + "\" bytes", 0, kMaxReportBytes);
-      }
-    }
+    r.series = series_from_json(j.at("series"));
     r.notes = j.at("notes").get<std::vector<std::string>>();
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, "report_from_json: malformed trainmem/1 report: ", e.what());

@@ -18,15 +18,6 @@
 
 namespace trainmem {
 
-namespace {
-
-using detail::adapted;
-using detail::cache_copy;
-using detail::sdpa_attention;
-using detail::run_blocks;
-
-} // namespace
-
 // ---------------------------------------------------------------------------
 // GPT-2 (transformers' modeling_gpt2.py)
 
@@ -68,15 +59,15 @@ void Gpt2AttentionImpl::reset() {
 at::Tensor Gpt2AttentionImpl::forward(const at::Tensor& x) {
   const int64_t d = options.hidden_size(), hd = d / options.num_heads();
   const int64_t B = x.size(0), T = x.size(1);
-  auto qkv = adapted(c_attn, x).split(d, 2);
+  auto qkv = detail::adapted(c_attn, x).split(d, 2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, -1, hd}).transpose(1, 2); };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);  // (B, H, T, hd), views
   if (options.use_cache()) {
-    k = cache_copy(k);
-    v = cache_copy(v);
+    k = detail::cache_copy(k);
+    v = detail::cache_copy(v);
   }
-  auto attn = sdpa_attention(q, k, v, std::nullopt, std::pow(static_cast<double>(hd), -0.5));
-  return adapted(c_proj, attn);
+  auto attn = detail::sdpa_attention(q, k, v, std::nullopt, std::pow(static_cast<double>(hd), -0.5));
+  return detail::adapted(c_proj, attn);
 }
 
 Gpt2MLPImpl::Gpt2MLPImpl(Gpt2Options options_) : options(options_) {
@@ -92,7 +83,7 @@ void Gpt2MLPImpl::reset() {
 }
 
 at::Tensor Gpt2MLPImpl::forward(const at::Tensor& x) {
-  auto h = adapted(c_fc, x);
+  auto h = detail::adapted(c_fc, x);
   const auto& a = options.activation();
   if (a == "gelu_new") {
     // NewGELUActivation, as written there: saves x (pow), tanh's result, 0.5 x and 1 + tanh.
@@ -104,7 +95,7 @@ at::Tensor Gpt2MLPImpl::forward(const at::Tensor& x) {
   } else {
     h = at::relu(h);
   }
-  return adapted(c_proj, h);
+  return detail::adapted(c_proj, h);
 }
 
 Gpt2BlockImpl::Gpt2BlockImpl(Gpt2Options options_) : options(options_) {
@@ -172,10 +163,10 @@ at::Tensor Gpt2Impl::forward(const at::Tensor& tokens, const BlockCheckpointing&
 }
 
 at::Tensor Gpt2Impl::run(const at::Tensor& tokens, const BlockCheckpointing* plan) {
-  auto x = run_blocks("Gpt2", options.num_layers(), embed(tokens), {}, plan,
-                      [this](int64_t i, const at::Tensor& y, const std::vector<at::Tensor>&) {
-                        return h[i]->as<Gpt2BlockImpl>()->forward(y);
-                      });
+  auto x = detail::run_blocks("Gpt2", options.num_layers(), embed(tokens), {}, plan,
+                              [this](int64_t i, const at::Tensor& y, const std::vector<at::Tensor>&) {
+                                return h[i]->as<Gpt2BlockImpl>()->forward(y);
+                              });
   return head(x);
 }
 

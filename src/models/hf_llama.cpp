@@ -21,15 +21,6 @@
 
 namespace trainmem {
 
-namespace {
-
-using detail::adapted;
-using detail::cache_copy;
-using detail::sdpa_attention;
-using detail::sliding_window_mask;
-
-} // namespace
-
 // ---------------------------------------------------------------------------
 // LLaMA modules
 
@@ -95,31 +86,31 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, c
   const auto& o = options;
   const int64_t B = x.size(0), T = x.size(1), hd = o.head_dim();
   auto n = input_layernorm->forward(x);                        // (B, T, d)
-  auto q = adapted(q_proj, n).view({B, T, -1, hd});            // (B, T, H, hd)
-  auto k = adapted(k_proj, n).view({B, T, -1, hd});            // (B, T, KV, hd)
+  auto q = detail::adapted(q_proj, n).view({B, T, -1, hd});    // (B, T, H, hd)
+  auto k = detail::adapted(k_proj, n).view({B, T, -1, hd});    // (B, T, KV, hd)
   if (o.qk_norm()) {
     q = q_norm->forward(q);
     k = k_norm->forward(k);
   }
   q = q.transpose(1, 2);                                       // (B, H, T, hd)
   k = k.transpose(1, 2);                                       // (B, KV, T, hd)
-  auto v = adapted(v_proj, n).view({B, T, -1, hd}).transpose(1, 2);
+  auto v = detail::adapted(v_proj, n).view({B, T, -1, hd}).transpose(1, 2);
   q = q * cos + rotate_half(q) * sin;                          // cos, sin (T, hd)
   k = k * cos + rotate_half(k) * sin;
   if (o.use_cache()) {
-    k = cache_copy(k);
-    v = cache_copy(v);
+    k = detail::cache_copy(k);
+    v = detail::cache_copy(v);
   }
   // Mistral: a mask from the window on (create_sliding_window_causal_mask does
   // not skip it once kv_length >= sliding_window).
   std::optional<at::Tensor> mask;
   if (o.sliding_window() > 0 && T >= o.sliding_window()) {
-    mask = sliding_window_mask(B, T, o.sliding_window(), x.options());
+    mask = detail::sliding_window_mask(B, T, o.sliding_window(), x.options());
   }
-  auto attn = sdpa_attention(q, k, v, mask, std::pow(static_cast<double>(hd), -0.5));  // (B, T, H hd)
-  auto h = x + adapted(o_proj, attn);
+  auto attn = detail::sdpa_attention(q, k, v, mask, std::pow(static_cast<double>(hd), -0.5));  // (B, T, H hd)
+  auto h = x + detail::adapted(o_proj, attn);
   auto m = post_attention_layernorm->forward(h);
-  return h + adapted(down_proj, at::silu(adapted(gate_proj, m)) * adapted(up_proj, m));
+  return h + detail::adapted(down_proj, at::silu(detail::adapted(gate_proj, m)) * detail::adapted(up_proj, m));
 }
 
 LlamaImpl::LlamaImpl(LlamaOptions options_) : options(options_) {
@@ -183,7 +174,7 @@ at::Tensor LlamaImpl::run(const at::Tensor& tokens, const BlockCheckpointing* pl
               options.max_positions(), " tokens per sequence, but got ", tokens.size(1));
   auto h = run_blocks(embed_tokens->forward(tokens), tokens, plan);   // (B, T, d)
   h = norm->forward(h);
-  return lm_head ? adapted(lm_head, h) : at::linear(h, embed_tokens->weight);  // (B, T, V)
+  return lm_head ? detail::adapted(lm_head, h) : at::linear(h, embed_tokens->weight);  // (B, T, V)
 }
 
 } // namespace trainmem

@@ -572,6 +572,27 @@ void terms_at_peak(const StepTrace& trace, const Replay& replay, CudaStepPredict
   }
 }
 
+// The traced step replayed through the caching-allocator model from the
+// device's blocks `before` it, and what a prediction reports of it: the phase
+// of the peak (`phase_of`), the workspaces, the attention kernels' counts and
+// the terms live at the peak. Shared by predict_cuda_step_peak() and
+// predict_cuda_step_function().
+CudaStepPrediction replay_prediction(StepTrace& trace, const CudaKernelModel& kernels,
+                                     const CudaPredictOptions& options, const std::vector<TraceEvent>& before,
+                                     bool phases_split,
+                                     const std::function<Phase(const Replay&, const CudaStepPrediction&)>& phase_of) {
+  Replay replay(options.allocator());
+  CudaStepPrediction r;
+  replay_trace(replay, trace, before, r);
+  trace.forward_output = at::Tensor();
+  r.phases_split = phases_split;
+  r.phase = phase_of(replay, r);
+  r.workspaces = kernels.workspaces();
+  kernels.count_attention_since(trace.marks.begin, r);
+  terms_at_peak(trace, replay, r);
+  return r;
+}
+
 } // namespace
 
 CudaStepPrediction predict_cuda_step_peak(
@@ -591,21 +612,16 @@ CudaStepPrediction predict_cuda_step_peak(
   StepTrace trace;
   trace_steps(module, loss_fn, optimizer, options, kernels, observer, trace);
 
-  Replay replay(options.allocator());
-  CudaStepPrediction r;
-  replay_trace(replay, trace, device_before({&module}, options), r);
-  trace.forward_output = at::Tensor();
-  const StepMarks& m = trace.marks;
-  r.phase = replay.peak_index < m.backward ? Phase::kForward
-      : replay.peak_index < m.optimizer    ? Phase::kBackward
-                                           : Phase::kOptimizerStep;
-  if (replay.peak_index == m.begin && replay.peak == r.start_allocated_bytes) {
-    r.phase = Phase::kForward;
-  }
-  r.workspaces = kernels.workspaces();
-  kernels.count_attention_since(trace.marks.begin, r);
-  terms_at_peak(trace, replay, r);
-  return r;
+  return replay_prediction(trace, kernels, options, device_before({&module}, options), /*phases_split=*/true,
+                           [&](const Replay& replay, const CudaStepPrediction& r) {
+                             const StepMarks& m = trace.marks;
+                             if (replay.peak_index == m.begin && replay.peak == r.start_allocated_bytes) {
+                               return Phase::kForward;
+                             }
+                             return replay.peak_index < m.backward ? Phase::kForward
+                                 : replay.peak_index < m.optimizer  ? Phase::kBackward
+                                                                    : Phase::kOptimizerStep;
+                           });
 }
 
 CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Module*>& modules,
@@ -652,18 +668,13 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   }
   trace.events = observer.events();
 
-  Replay replay(options.allocator());
-  CudaStepPrediction r;
   const std::vector<const torch::nn::Module*> trained(modules.begin(), modules.end());
-  replay_trace(replay, trace, device_before(trained, options), r);
-  const StepMarks& m = trace.marks;
-  r.phases_split = false;
-  r.phase = replay.peak_index > m.begin && kernels.in_backward_at(replay.peak_index) ? Phase::kBackward
-                                                                                      : Phase::kForward;
-  r.workspaces = kernels.workspaces();
-  kernels.count_attention_since(trace.marks.begin, r);
-  terms_at_peak(trace, replay, r);
-  return r;
+  return replay_prediction(trace, kernels, options, device_before(trained, options), /*phases_split=*/false,
+                           [&](const Replay& replay, const CudaStepPrediction&) {
+                             return replay.peak_index > trace.marks.begin && kernels.in_backward_at(replay.peak_index)
+                                 ? Phase::kBackward
+                                 : Phase::kForward;
+                           });
 }
 
 std::string to_string(const CudaStepPrediction& p) {

@@ -228,6 +228,39 @@ std::vector<Request> seed_segments(const Snapshot& snap, const std::vector<Reque
   return rest;
 }
 
+// Where the free bytes sat when reserved peaked (`at_peak`, the model's
+// segments then): run's free and stranded figures, the ten segments that
+// strand most first, each named by its largest block's allocation
+// (`event_of`: model address -> alloc event, -1 before recording).
+void stranded_at_peak(const Snapshot& snap, const std::vector<CudaSegmentInfo>& at_peak,
+                      const std::unordered_map<uint64_t, int64_t>& event_of, ModelRun& run) {
+  for (const auto& seg : at_peak) {
+    StrandedSegment st;
+    st.total_bytes = seg.total_bytes;
+    st.large_pool = seg.large_pool;
+    int64_t largest = 0;
+    for (const auto& b : seg.blocks) {
+      if (!b.allocated) {
+        st.free_bytes += b.size_bytes;
+        continue;
+      }
+      ++st.num_allocated_blocks;
+      if (b.size_bytes > largest) {
+        largest = b.size_bytes;
+        auto it = event_of.find(b.address);
+        st.frames = it != event_of.end() && it->second >= 0 ? snap.frames(snap.traces[static_cast<size_t>(it->second)])
+                                                            : std::vector<SnapshotFrame>{};
+      }
+    }
+    run.free_at_peak_bytes += st.free_bytes;
+    if (st.num_allocated_blocks == 0) run.free_in_unused_bytes += st.free_bytes;
+    if (st.free_bytes > 0 && st.num_allocated_blocks > 0) run.stranded.push_back(std::move(st));
+  }
+  std::stable_sort(run.stranded.begin(), run.stranded.end(),
+                   [](const auto& a, const auto& b) { return a.free_bytes > b.free_bytes; });
+  if (run.stranded.size() > 10) run.stranded.resize(10);
+}
+
 ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, CudaAllocatorConfig config,
                    bool seeded = false) {
   CudaCachingAllocatorModel m(std::move(config));
@@ -304,32 +337,7 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
   run.fig.num_segment_allocs = s.num_device_allocs - s0.num_device_allocs;
   run.fig.num_segment_frees = s.num_device_frees - s0.num_device_frees;
   run.num_ooms = s.num_ooms - s0.num_ooms;
-  // Where the free bytes sat when reserved peaked.
-  for (const auto& seg : at_peak) {
-    StrandedSegment st;
-    st.total_bytes = seg.total_bytes;
-    st.large_pool = seg.large_pool;
-    int64_t largest = 0;
-    for (const auto& b : seg.blocks) {
-      if (!b.allocated) {
-        st.free_bytes += b.size_bytes;
-        continue;
-      }
-      ++st.num_allocated_blocks;
-      if (b.size_bytes > largest) {
-        largest = b.size_bytes;
-        auto it = event_of.find(b.address);
-        st.frames = it != event_of.end() && it->second >= 0 ? snap.frames(snap.traces[static_cast<size_t>(it->second)])
-                                                            : std::vector<SnapshotFrame>{};
-      }
-    }
-    run.free_at_peak_bytes += st.free_bytes;
-    if (st.num_allocated_blocks == 0) run.free_in_unused_bytes += st.free_bytes;
-    if (st.free_bytes > 0 && st.num_allocated_blocks > 0) run.stranded.push_back(std::move(st));
-  }
-  std::stable_sort(run.stranded.begin(), run.stranded.end(),
-                   [](const auto& a, const auto& b) { return a.free_bytes > b.free_bytes; });
-  if (run.stranded.size() > 10) run.stranded.resize(10);
+  stranded_at_peak(snap, at_peak, event_of, run);
   return run;
 }
 

@@ -31,7 +31,7 @@ RANKS = {
     "models": 3,  # the reference transformer, GPT, config-file models
     "umbrella": 4,  # trainmem.h: every public header
     "app": 5,     # the command's own code (tools/trainmem/app, not installed): trainer,
-                  # distributed trainer, the seed's variants
+                  # distributed trainer, the capstone's variants
 }
 
 # Layers by folder: a file belongs to the layer of the longest prefix that
@@ -53,7 +53,7 @@ PUBLIC_HEADERS = {
 }
 
 # Back-arrows allowed, (from file, included file): none since the models and
-# the command's code left the planner's headers (issue 23). Keep it empty; the
+# the command's code left the planner's headers. Keep it empty; the
 # check fails on an entry that no longer occurs.
 ALLOWED_BACK_ARROWS = set()
 

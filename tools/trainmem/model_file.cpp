@@ -152,82 +152,82 @@ ModelEstimateOptions model_options(int64_t batch, int64_t seq_len, const std::st
   return o;
 }
 
-void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json,
-                        const CudaPredictOptions* cuda_options, const std::string& device,
-                        const std::string& precision) {
-  const auto options = estimate_options(f, batch, seq_len, cuda_options, precision);
-  const HfConfig config = load_config(f.path, batch, seq_len);
-  ModelEstimate e;
-  try {
-    e = estimate_model(config, options);
-  } catch (const c10::Error& err) {
-    throw UsageError(err.what_without_backtrace());
-  }
+namespace {
+
+// estimate --model --json: the estimate_model document (docs/cli.md).
+nlohmann::ordered_json estimate_model_json(const ModelFileFlags& f, const HfConfig& config,
+                                           const ModelEstimateOptions& options, const ModelEstimate& e,
+                                           const std::string& device, const std::string& precision) {
+  const int64_t batch = options.batch(), seq_len = options.seq_len();
   const auto& peak = e.step_peak;
-  if (json) {
-    nlohmann::ordered_json j;
-    j["schema"] = "trainmem/1";
-    j["kind"] = "estimate_model";
-    j["model"] = {{"file", f.path},
-                  {"architecture", to_string(config.architecture)},
-                  {"vocab_size", config.vocab_size},
-                  {"hidden_size", config.hidden_size},
-                  {"num_layers", config.num_layers},
-                  {"num_heads", config.num_heads},
-                  {"num_kv_heads", config.num_kv_heads},
-                  {"intermediate_size", config.intermediate_size},
-                  {"max_positions", config.max_positions},
-                  {"tie_word_embeddings", config.tie_word_embeddings},
-                  {"sliding_window", config.sliding_window},
-                  {"use_cache", config.use_cache},
-                  {"follows", fmt::format("transformers {} {}", kHfTransformersVersion,
-                                          hf_class_name(config.architecture))}};
-    j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
-    j["sharding"] = {{"zero_stage", f.zero}, {"world_size", f.ranks}, {"largest_layer_params", e.largest_layer_params}};
-    j["num_params"] = e.num_params;
-    j["trainable_params"] = e.trainable_params;
-    for (const auto& s : e.recipes) {
-      j["recipes"].push_back({{"recipe", to_string(s.formula.recipe)},
-                              {"bytes_per_param", s.formula.bytes_per_param},
-                              {"static_bytes", s.formula.total_bytes},
-                              {"device_per_rank_bytes", s.device_per_rank_bytes},
-                              {"host_per_rank_bytes", s.host_per_rank_bytes}});
-    }
-    j["precision"] = precision;
-    j["checkpoint"] = options.checkpoint();
-    if (options.lora()) {
-      const auto& l = *options.lora();
-      j["lora"] = {{"rank", l.rank()}, {"alpha", l.alpha()}, {"targets", l.targets()}, {"layers", e.lora_layers.size()},
-                   {"follows", fmt::format("peft {}", kPeftVersion)}};
-    } else {
-      j["lora"] = nullptr;
-    }
-    j["activation_bytes"] = e.saved_bytes;
-    j["step_peak"] = {{"optimizer", "AdamW"},
-                      {"peak_bytes", peak.peak_bytes},
-                      {"phase", to_string(peak.phase)},
-                      {"param_bytes", peak.param_bytes},
-                      {"optimizer_state_bytes", peak.optimizer_state_bytes},
-                      {"activation_bytes", peak.activation_bytes},
-                      {"forward_peak_bytes", peak.forward_peak_bytes},
-                      {"backward_peak_bytes", peak.backward_peak_bytes},
-                      {"optimizer_peak_bytes", peak.optimizer_peak_bytes},
-                      {"phases_split", e.step_phases_split}};
-    if (e.cuda) {
-      j["cuda"] = {{"device", device},
-                   {"gpu", e.options.cuda()->gpu_name()},
-                   {"compute_capability", e.options.cuda()->compute_capability()},
-                   {"flash_attention_calls", e.cuda->flash_attention_calls},
-                   {"efficient_attention_calls", e.cuda->efficient_attention_calls},
-                   {"max_memory_allocated_bytes", e.cuda->max_memory_allocated_bytes},
-                   {"max_memory_reserved_bytes", e.cuda->max_memory_reserved_bytes},
-                   {"workspace_bytes", e.cuda->terms.workspace_bytes},
-                   {"rounding_bytes", e.cuda->terms.rounding_bytes}};
-    }
-    j["assumptions"] = e.assumptions;
-    std::cout << j.dump(2) << "\n";
-    return;
+  nlohmann::ordered_json j;
+  j["schema"] = "trainmem/1";
+  j["kind"] = "estimate_model";
+  j["model"] = {{"file", f.path},
+                {"architecture", to_string(config.architecture)},
+                {"vocab_size", config.vocab_size},
+                {"hidden_size", config.hidden_size},
+                {"num_layers", config.num_layers},
+                {"num_heads", config.num_heads},
+                {"num_kv_heads", config.num_kv_heads},
+                {"intermediate_size", config.intermediate_size},
+                {"max_positions", config.max_positions},
+                {"tie_word_embeddings", config.tie_word_embeddings},
+                {"sliding_window", config.sliding_window},
+                {"use_cache", config.use_cache},
+                {"follows", fmt::format("transformers {} {}", kHfTransformersVersion,
+                                        hf_class_name(config.architecture))}};
+  j["micro_batch"] = {{"batch", batch}, {"seq_len", seq_len}};
+  j["sharding"] = {{"zero_stage", f.zero}, {"world_size", f.ranks}, {"largest_layer_params", e.largest_layer_params}};
+  j["num_params"] = e.num_params;
+  j["trainable_params"] = e.trainable_params;
+  for (const auto& s : e.recipes) {
+    j["recipes"].push_back({{"recipe", to_string(s.formula.recipe)},
+                            {"bytes_per_param", s.formula.bytes_per_param},
+                            {"static_bytes", s.formula.total_bytes},
+                            {"device_per_rank_bytes", s.device_per_rank_bytes},
+                            {"host_per_rank_bytes", s.host_per_rank_bytes}});
   }
+  j["precision"] = precision;
+  j["checkpoint"] = options.checkpoint();
+  if (options.lora()) {
+    const auto& l = *options.lora();
+    j["lora"] = {{"rank", l.rank()}, {"alpha", l.alpha()}, {"targets", l.targets()}, {"layers", e.lora_layers.size()},
+                 {"follows", fmt::format("peft {}", kPeftVersion)}};
+  } else {
+    j["lora"] = nullptr;
+  }
+  j["activation_bytes"] = e.saved_bytes;
+  j["step_peak"] = {{"optimizer", "AdamW"},
+                    {"peak_bytes", peak.peak_bytes},
+                    {"phase", to_string(peak.phase)},
+                    {"param_bytes", peak.param_bytes},
+                    {"optimizer_state_bytes", peak.optimizer_state_bytes},
+                    {"activation_bytes", peak.activation_bytes},
+                    {"forward_peak_bytes", peak.forward_peak_bytes},
+                    {"backward_peak_bytes", peak.backward_peak_bytes},
+                    {"optimizer_peak_bytes", peak.optimizer_peak_bytes},
+                    {"phases_split", e.step_phases_split}};
+  if (e.cuda) {
+    j["cuda"] = {{"device", device},
+                 {"gpu", e.options.cuda()->gpu_name()},
+                 {"compute_capability", e.options.cuda()->compute_capability()},
+                 {"flash_attention_calls", e.cuda->flash_attention_calls},
+                 {"efficient_attention_calls", e.cuda->efficient_attention_calls},
+                 {"max_memory_allocated_bytes", e.cuda->max_memory_allocated_bytes},
+                 {"max_memory_reserved_bytes", e.cuda->max_memory_reserved_bytes},
+                 {"workspace_bytes", e.cuda->terms.workspace_bytes},
+                 {"rounding_bytes", e.cuda->terms.rounding_bytes}};
+  }
+  j["assumptions"] = e.assumptions;
+  return j;
+}
+
+// estimate --model: the text the command prints.
+std::string estimate_model_text(const ModelFileFlags& f, const HfConfig& config, const ModelEstimateOptions& options,
+                                const ModelEstimate& e, const std::string& device, const std::string& precision) {
+  const int64_t batch = options.batch(), seq_len = options.seq_len();
+  const auto& peak = e.step_peak;
   std::string out =
       fmt::format("trainmem estimate: {} (built on meta, nothing is run)\n", describe(config, f.path));
   out += fmt::format("parameters {:>24}", with_commas(e.num_params));
@@ -265,7 +265,27 @@ void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len,
   for (const auto& a : e.assumptions) {
     out += "  " + a + "\n";
   }
-  std::cout << out;
+  return out;
+}
+
+} // namespace
+
+void run_estimate_model(const ModelFileFlags& f, int64_t batch, int64_t seq_len, bool json,
+                        const CudaPredictOptions* cuda_options, const std::string& device,
+                        const std::string& precision) {
+  const auto options = estimate_options(f, batch, seq_len, cuda_options, precision);
+  const HfConfig config = load_config(f.path, batch, seq_len);
+  ModelEstimate e;
+  try {
+    e = estimate_model(config, options);
+  } catch (const c10::Error& err) {
+    throw UsageError(err.what_without_backtrace());
+  }
+  if (json) {
+    std::cout << estimate_model_json(f, config, options, e, device, precision).dump(2) << "\n";
+    return;
+  }
+  std::cout << estimate_model_text(f, config, options, e, device, precision);
 }
 
 namespace {
@@ -407,6 +427,133 @@ void check_cuda_plan_fits(const CudaCheckpointPlan& r) {
   }
 }
 
+namespace {
+
+// A plan chosen by plan_regions() and checked by its whole step on meta
+// (Note [A plan checked by its whole step]): the last plan tried, its whole
+// step's peak, the planner's budget after the rounds and how many it took.
+struct CheckedPlan {
+  CheckpointPlan plan;
+  std::optional<StepPeak> whole;
+  int64_t planner_budget = 0;
+  int rounds = 0;
+  bool fits = false;
+};
+
+// The model of `config`, built as `o` asks: initialized on CPU (seed 0) to
+// run it, else on meta.
+HfModel build_plan_model(const HfConfig& config, const ModelEstimateOptions& o, bool run) {
+  try {
+    if (run) {
+      torch::manual_seed(0);
+      return build_model(config, o);
+    }
+    MetaInitGuard meta;
+    return build_model(config, o);
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+}
+
+// Note [A plan checked by its whole step]
+// plan_regions composes a step's peak from regions profiled alone; where a
+// region's loss head casts (a bf16 model's, or autocast's, fp32 logits)
+// that composition was found up to 3.6 % under the step run on CPU, and a
+// plan chosen by it went over its budget. So the chosen plan's whole step
+// is run on meta (predict_step_peak, exact against the CPU), and while it
+// is over the budget the planner's budget is lowered by the excess and the
+// plan made again (at most 4 rounds). The plan fits when its whole step
+// does; both figures are printed.
+CheckedPlan plan_checked_by_whole_step(const RegionModel& m, const HfModel& on_meta, const ModelEstimateOptions& o,
+                                       int64_t budget, bool selective) {
+  const auto whole_step = [&](const CheckpointPlan& p) {
+    const auto tm = model_regions(on_meta, o, c10::kCPU);
+    const auto topt = adamw_of_trainable(on_meta.module->parameters());
+    const auto checkpointing = p.checkpointing();
+    return predict_step_peak(*on_meta.module, [&] {
+      return tm.loss(run_regions(tm.regions, tm.input(at::kMeta), checkpointing));
+    }, topt.get());
+  };
+  CheckedPlan c;
+  c.planner_budget = budget;
+  for (; c.rounds < 4; ++c.rounds) {
+    c.plan = plan_regions(m, PlanOptions().budget_bytes(c.planner_budget).selective(selective));
+    c.whole.reset();
+    if (!c.plan.feasible) {
+      break;
+    }
+    c.whole = whole_step(c.plan);
+    if (c.whole->peak_bytes <= budget) {
+      break;
+    }
+    c.planner_budget -= c.whole->peak_bytes - budget;
+    if (c.planner_budget <= 0) {
+      break;
+    }
+  }
+  c.fits = c.plan.feasible && c.whole && c.whole->peak_bytes <= budget;
+  return c;
+}
+
+void print_plan_model(const std::string& path, const HfConfig& config, const ModelEstimateOptions& o, int64_t budget,
+                      const CheckedPlan& c, const std::optional<StepPeak>& measured, bool run, bool json) {
+  const auto& plan = c.plan;
+  const auto& whole = c.whole;
+  if (json) {
+    auto j = plan_model_json(path, config, o, plan);
+    if (whole) {
+      j["whole_step_on_meta"] = {{"peak_bytes", whole->peak_bytes}, {"peak_phase", to_string(whole->phase)},
+                                 {"fits", c.fits}, {"planner_budget_bytes", c.planner_budget},
+                                 {"rounds", c.rounds + 1}};
+    }
+    if (measured) {
+      j["measured"] = {{"peak_bytes", measured->peak_bytes},
+                       {"peak_phase", to_string(measured->phase)},
+                       {"activation_bytes", measured->activation_bytes}};
+    }
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, {} ({})\n\n", describe(config, path),
+                           o.batch(), o.seq_len(), plan_assumes(o),
+                           run ? "planned on meta, run on CPU" : "planned on meta, not run");
+  std::cout << to_string(plan);
+  if (whole) {
+    std::cout << fmt::format("  its whole step on meta    {:>16} B (in the {}; planner budget {} B after {} "
+                             "round{})\n",
+                             with_commas(whole->peak_bytes), to_string(whole->phase), with_commas(c.planner_budget),
+                             c.rounds + 1, c.rounds == 0 ? "" : "s");
+  }
+  if (measured) {
+    const double err = static_cast<double>(measured->peak_bytes - whole->peak_bytes) /
+                       static_cast<double>(whole->peak_bytes);
+    std::cout << fmt::format("\nran it on CPU (one AdamW step after a warm-up step)\n"
+                             "  step peak: predicted {} B, measured {} B ({:+.2f} %); {}\n"
+                             "  saved for backward: predicted {} B, measured {} B\n",
+                             with_commas(whole->peak_bytes), with_commas(measured->peak_bytes), 100 * err,
+                             measured->peak_bytes <= budget ? "within the budget" : "OVER the budget",
+                             with_commas(plan.activation_bytes), with_commas(measured->activation_bytes));
+  }
+}
+
+void check_plan_model_fits(int64_t budget, const CheckedPlan& c) {
+  if (!c.plan.feasible) {
+    throw CheckFailed(fmt::format("no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'){}",
+                                  with_commas(budget), with_commas(c.plan.min_peak_bytes), c.plan.name,
+                                  c.rounds == 0 ? std::string()
+                                                : fmt::format(", as the planner composes it; its budget was lowered "
+                                                              "to {} B after {} round(s) whose whole step ran over",
+                                                              with_commas(c.planner_budget), c.rounds)));
+  }
+  if (!c.fits) {
+    throw CheckFailed(fmt::format("no plan fits a budget of {} B: the last plan tried, '{}', runs its whole step at "
+                                  "{} B on meta",
+                                  with_commas(budget), c.plan.name, with_commas(c.whole ? c.whole->peak_bytes : 0)));
+  }
+}
+
+} // namespace
+
 void run_plan_model(const std::string& path, int64_t budget, const ModelEstimateOptions& o, bool selective,
                     bool run, bool json, const CudaPredictOptions* cuda, CudaBudgetKind kind,
                     const std::string& device) {
@@ -422,119 +569,25 @@ void run_plan_model(const std::string& path, int64_t budget, const ModelEstimate
     CpuMemoryTracker::install();  // before the model: every CPU byte of the run is counted
   }
   // Planned on meta whatever the size; built on CPU (initialized) only to run it.
-  HfModel model;
-  try {
-    if (run) {
-      torch::manual_seed(0);
-      model = build_model(config, o);
-    } else {
-      MetaInitGuard meta;
-      model = build_model(config, o);
-    }
-  } catch (const c10::Error& e) {
-    throw UsageError(e.what_without_backtrace());
-  }
+  HfModel model = build_plan_model(config, o, run);
   auto m = model_regions(model, o, c10::kCPU);
   auto opt = adamw_of_trainable(model.module->parameters());
   m.optimizer = opt.get();
-  // Note [A plan checked by its whole step]
-  // plan_regions composes a step's peak from regions profiled alone; where a
-  // region's loss head casts (a bf16 model's, or autocast's, fp32 logits)
-  // that composition was found up to 3.6 % under the step run on CPU, and a
-  // plan chosen by it went over its budget. So the chosen plan's whole step
-  // is run on meta (predict_step_peak, exact against the CPU), and while it
-  // is over the budget the planner's budget is lowered by the excess and the
-  // plan made again (at most 4 rounds). The plan fits when its whole step
-  // does; both figures are printed.
-  HfModel twin;
+  HfModel twin;  // the whole step is checked on meta also when the model runs on CPU
   if (run) {
-    MetaInitGuard meta;
-    twin = build_model(config, o);
+    twin = build_plan_model(config, o, /*run=*/false);
   }
-  const HfModel& on_meta = run ? twin : model;
-  const auto whole_step = [&](const CheckpointPlan& p) {
-    const auto tm = model_regions(on_meta, o, c10::kCPU);
-    const auto topt = adamw_of_trainable(on_meta.module->parameters());
-    const auto checkpointing = p.checkpointing();
-    return predict_step_peak(*on_meta.module, [&] {
-      return tm.loss(run_regions(tm.regions, tm.input(at::kMeta), checkpointing));
-    }, topt.get());
-  };
-  int64_t planner_budget = budget;
-  CheckpointPlan plan;
-  std::optional<StepPeak> whole;
-  int rounds = 0;
-  for (; rounds < 4; ++rounds) {
-    plan = plan_regions(m, PlanOptions().budget_bytes(planner_budget).selective(selective));
-    whole.reset();
-    if (!plan.feasible) {
-      break;
-    }
-    whole = whole_step(plan);
-    if (whole->peak_bytes <= budget) {
-      break;
-    }
-    planner_budget -= whole->peak_bytes - budget;
-    if (planner_budget <= 0) {
-      break;
-    }
-  }
-  const bool fits = plan.feasible && whole && whole->peak_bytes <= budget;
+  const CheckedPlan c = plan_checked_by_whole_step(m, run ? twin : model, o, budget, selective);
   std::optional<StepPeak> measured;
-  if (fits && run) {
-    const auto checkpointing = plan.checkpointing();
+  if (c.fits && run) {
+    const auto checkpointing = c.plan.checkpointing();
     // The batch made in the step, as the whole step on meta makes it.
     auto step = [&] { return m.loss(run_regions(m.regions, m.input(at::kCPU), checkpointing)); };
     (void)measure_step_peak(*model.module, step, opt.get());  // warm-up: AdamW's state exists from here on
     measured = measure_step_peak(*model.module, step, opt.get());
   }
-  if (json) {
-    auto j = plan_model_json(path, config, o, plan);
-    if (whole) {
-      j["whole_step_on_meta"] = {{"peak_bytes", whole->peak_bytes}, {"peak_phase", to_string(whole->phase)},
-                                 {"fits", fits}, {"planner_budget_bytes", planner_budget}, {"rounds", rounds + 1}};
-    }
-    if (measured) {
-      j["measured"] = {{"peak_bytes", measured->peak_bytes},
-                       {"peak_phase", to_string(measured->phase)},
-                       {"activation_bytes", measured->activation_bytes}};
-    }
-    std::cout << j.dump(2) << "\n";
-  } else {
-    std::cout << fmt::format("trainmem plan: {}; batch {} x {} tokens, {} ({})\n\n", describe(config, path),
-                             o.batch(), o.seq_len(), plan_assumes(o),
-                             run ? "planned on meta, run on CPU" : "planned on meta, not run");
-    std::cout << to_string(plan);
-    if (whole) {
-      std::cout << fmt::format("  its whole step on meta    {:>16} B (in the {}; planner budget {} B after {} "
-                               "round{})\n",
-                               with_commas(whole->peak_bytes), to_string(whole->phase), with_commas(planner_budget),
-                               rounds + 1, rounds == 0 ? "" : "s");
-    }
-    if (measured) {
-      const double err = static_cast<double>(measured->peak_bytes - whole->peak_bytes) /
-                         static_cast<double>(whole->peak_bytes);
-      std::cout << fmt::format("\nran it on CPU (one AdamW step after a warm-up step)\n"
-                               "  step peak: predicted {} B, measured {} B ({:+.2f} %); {}\n"
-                               "  saved for backward: predicted {} B, measured {} B\n",
-                               with_commas(whole->peak_bytes), with_commas(measured->peak_bytes), 100 * err,
-                               measured->peak_bytes <= budget ? "within the budget" : "OVER the budget",
-                               with_commas(plan.activation_bytes), with_commas(measured->activation_bytes));
-    }
-  }
-  if (!plan.feasible) {
-    throw CheckFailed(fmt::format("no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'){}",
-                                  with_commas(budget), with_commas(plan.min_peak_bytes), plan.name,
-                                  rounds == 0 ? std::string()
-                                              : fmt::format(", as the planner composes it; its budget was lowered "
-                                                            "to {} B after {} round(s) whose whole step ran over",
-                                                            with_commas(planner_budget), rounds)));
-  }
-  if (!fits) {
-    throw CheckFailed(fmt::format("no plan fits a budget of {} B: the last plan tried, '{}', runs its whole step at "
-                                  "{} B on meta",
-                                  with_commas(budget), plan.name, with_commas(whole ? whole->peak_bytes : 0)));
-  }
+  print_plan_model(path, config, o, budget, c, measured, run, json);
+  check_plan_model_fits(budget, c);
 }
 
 } // namespace trainmem::cli

@@ -123,12 +123,9 @@ void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions
   check_cuda_plan_fits(r);
 }
 
-void run(const PlanFlags& f) {
-  check_model_flags(f.model);
-  const int64_t budget = parse_bytes(f.budget);
-  if (budget <= 0) {
-    throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
-  }
+// The flags plan refuses: a config file's options without --model, and
+// sharding (Note [A plan is one rank's]).
+void refuse_plan_flags(const PlanFlags& f) {
   if (f.model_file.empty()) {
     for (const char* name : {"--precision", "--lora-rank", "--lora-alpha", "--lora-targets"}) {
       if (f.given(name)) {
@@ -146,19 +143,76 @@ void run(const PlanFlags& f) {
         "`trainmem estimate --model FILE --ranks {} --zero {}` gives the sharded static bytes by recipe",
         f.ranks, f.zero, f.ranks, f.zero));
   }
+}
+
+// plan --model FILE: a config file's model, planned on meta (model_file.cpp).
+void run_model_file(const PlanFlags& f, int64_t budget) {
+  const auto options = model_options(f.model.batch, f.model.seq_len, f.precision, f.lora);
+  if (f.cost != "flops") {
+    throw UsageError("--cost " + f.cost + " with --model: a model file is planned with FLOP costs (drop --cost)");
+  }
+  if (f.device != "cpu") {
+    const auto kind = cuda_budget_kind(f);
+    const CudaPredictOptions cuda = cuda_options("", f.gpu, std::nullopt);
+    run_plan_model(f.model_file, budget, options, !f.no_selective, f.run_model, f.json, &cuda, kind, f.device);
+    return;
+  }
+  run_plan_model(f.model_file, budget, options, !f.no_selective, f.run_model, f.json);
+}
+
+// The bundled transformer's plan and, when it ran, the measured figures.
+void print_plan(const PlanFlags& f, const TransformerOptions& o, const CheckpointPlan& plan, const std::string& unit,
+                const std::optional<Measured>& measured, int64_t budget) {
+  if (f.json) {
+    nlohmann::ordered_json doc = {
+        {"schema", "trainmem/1"},
+        {"command", "plan"},
+        {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()}, {"num_heads", o.num_heads()},
+                   {"batch", o.batch()}, {"seq_len", o.seq_len()}}},
+        {"plan", plan_json(plan)},
+        {"cost_unit", unit},
+    };
+    if (measured) {
+      doc["measured"] = {{"peak_bytes", measured->cpu.peak_bytes},
+                         {"peak_phase", to_string(measured->cpu.phase)},
+                         {"activation_bytes", measured->cpu.activation_bytes},
+                         {"meta_peak_bytes", measured->meta.peak_bytes},
+                         {"step_ms", measured->step_ms}};
+    }
+    std::cout << doc.dump() << "\n";
+    return;
+  }
+  std::cout << fmt::format(
+      "trainmem plan: {} pre-LN blocks, d_model {}, {} heads, input ({}, {}, {}), fp32, AdamW\n\n",
+      o.num_layers(), o.d_model(), o.num_heads(), o.batch(), o.seq_len(), o.d_model());
+  std::cout << to_string(plan);
+  if (measured) {
+    const auto& c = measured->cpu;
+    std::cout << "\nran it (one AdamW step after a warm-up step)\n";
+    std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "", "predicted B", "measured B");
+    std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (CPU allocator)",
+                             with_commas(plan.predicted_peak_bytes), with_commas(c.peak_bytes));
+    std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (whole step on meta)",
+                             with_commas(measured->meta.peak_bytes), with_commas(c.peak_bytes));
+    std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "saved for backward", with_commas(plan.activation_bytes),
+                             with_commas(c.activation_bytes));
+    std::cout << fmt::format("  peak phase: predicted {}, measured {}; step time {:.1f} ms (mean of two)\n",
+                             to_string(plan.peak_phase), to_string(c.phase), measured->step_ms);
+    std::cout << fmt::format("  measured / predicted peak {:.3f}; {}\n",
+                             static_cast<double>(c.peak_bytes) / static_cast<double>(plan.predicted_peak_bytes),
+                             c.peak_bytes <= budget ? "within the budget" : "OVER the budget");
+  }
+}
+
+void run(const PlanFlags& f) {
+  check_model_flags(f.model);
+  const int64_t budget = parse_bytes(f.budget);
+  if (budget <= 0) {
+    throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
+  }
+  refuse_plan_flags(f);
   if (!f.model_file.empty()) {
-    const auto options = model_options(f.model.batch, f.model.seq_len, f.precision, f.lora);
-    if (f.cost != "flops") {
-      throw UsageError("--cost " + f.cost + " with --model: a model file is planned with FLOP costs (drop --cost)");
-    }
-    if (f.device != "cpu") {
-      const auto kind = cuda_budget_kind(f);
-      const CudaPredictOptions cuda = cuda_options("", f.gpu, std::nullopt);
-      run_plan_model(f.model_file, budget, options, !f.no_selective, f.run_model, f.json,
-                     &cuda, kind, f.device);
-      return;
-    }
-    run_plan_model(f.model_file, budget, options, !f.no_selective, f.run_model, f.json);
+    run_model_file(f, budget);
     return;
   }
   if (f.run_model) {
@@ -189,11 +243,6 @@ void run(const PlanFlags& f) {
     return;
   }
   const auto plan = plan_checkpointing(o, plan_options);
-  const std::string unmet = fmt::format(
-      "no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'), at a "
-      "recompute cost of {:.6g} {} ({:.1f} % of a forward)",
-      with_commas(budget), with_commas(plan.min_peak_bytes), plan.name, plan.min_peak_cost, unit,
-      plan.forward_cost > 0 ? 100.0 * plan.min_peak_cost / plan.forward_cost : 0.0);
   std::optional<Measured> measured;
   if (plan.feasible && !f.no_run) {
     if (show_progress()) {
@@ -201,47 +250,13 @@ void run(const PlanFlags& f) {
     }
     measured = run_plan(o, plan);
   }
-  if (f.json) {
-    nlohmann::ordered_json doc = {
-        {"schema", "trainmem/1"},
-        {"command", "plan"},
-        {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()}, {"num_heads", o.num_heads()},
-                   {"batch", o.batch()}, {"seq_len", o.seq_len()}}},
-        {"plan", plan_json(plan)},
-        {"cost_unit", unit},
-    };
-    if (measured) {
-      doc["measured"] = {{"peak_bytes", measured->cpu.peak_bytes},
-                         {"peak_phase", to_string(measured->cpu.phase)},
-                         {"activation_bytes", measured->cpu.activation_bytes},
-                         {"meta_peak_bytes", measured->meta.peak_bytes},
-                         {"step_ms", measured->step_ms}};
-    }
-    std::cout << doc.dump() << "\n";
-  } else {
-    std::cout << fmt::format(
-        "trainmem plan: {} pre-LN blocks, d_model {}, {} heads, input ({}, {}, {}), fp32, AdamW\n\n",
-        o.num_layers(), o.d_model(), o.num_heads(), o.batch(), o.seq_len(), o.d_model());
-    std::cout << to_string(plan);
-    if (measured) {
-      const auto& c = measured->cpu;
-      std::cout << "\nran it (one AdamW step after a warm-up step)\n";
-      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "", "predicted B", "measured B");
-      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (CPU allocator)",
-                               with_commas(plan.predicted_peak_bytes), with_commas(c.peak_bytes));
-      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "step peak (whole step on meta)",
-                               with_commas(measured->meta.peak_bytes), with_commas(c.peak_bytes));
-      std::cout << fmt::format("  {:<34}{:>16}{:>16}\n", "saved for backward", with_commas(plan.activation_bytes),
-                               with_commas(c.activation_bytes));
-      std::cout << fmt::format("  peak phase: predicted {}, measured {}; step time {:.1f} ms (mean of two)\n",
-                               to_string(plan.peak_phase), to_string(c.phase), measured->step_ms);
-      std::cout << fmt::format("  measured / predicted peak {:.3f}; {}\n",
-                               static_cast<double>(c.peak_bytes) / static_cast<double>(plan.predicted_peak_bytes),
-                               c.peak_bytes <= budget ? "within the budget" : "OVER the budget");
-    }
-  }
+  print_plan(f, o, plan, unit, measured, budget);
   if (!plan.feasible) {
-    throw CheckFailed(unmet);
+    throw CheckFailed(fmt::format(
+        "no plan fits a budget of {} B: the smallest reachable peak is {} B (plan '{}'), at a "
+        "recompute cost of {:.6g} {} ({:.1f} % of a forward)",
+        with_commas(budget), with_commas(plan.min_peak_bytes), plan.name, plan.min_peak_cost, unit,
+        plan.forward_cost > 0 ? 100.0 * plan.min_peak_cost / plan.forward_cost : 0.0));
   }
 }
 

@@ -208,15 +208,132 @@ std::vector<DeviceRun> run_devices(const Snapshot& snap, const CudaAllocatorConf
   return out;
 }
 
+struct SnapshotFlags {
+  std::string input, diff, device_memory;
+  std::vector<std::string> confs;
+  bool json = false;
+};
+
+Snapshot load_snapshot(const std::string& path) {
+  try {
+    return read_snapshot(path);
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+}
+
+// The settings replayed: the recorded ones ("") and each --alloc-conf, or,
+// without any, a default set of what-ifs.
+std::vector<std::string> snapshot_confs(const SnapshotFlags& f, int64_t device_bytes) {
+  std::vector<std::string> confs{""};
+  for (const auto& c : f.confs) {
+    try {
+      CudaAllocatorConfig::parse(c);
+    } catch (const c10::Error& e) {
+      throw UsageError("--alloc-conf " + c + ": " + e.what_without_backtrace());
+    }
+    confs.push_back(c);
+  }
+  if (f.confs.empty()) {
+    confs = {"", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"};
+    if (device_bytes > 0) {
+      confs.push_back("garbage_collection_threshold:0.8");  // acts only on a device of known size
+    }
+  }
+  return confs;
+}
+
+// The recording's own allocator settings, when it names any: the replay
+// follows the rules the GPU ran under.
+CudaAllocatorConfig recorded_config_of(const Snapshot& snap, const std::string& input) {
+  CudaAllocatorConfig recorded_config;
+  if (snap.alloc_conf && !snap.alloc_conf->empty()) {
+    try {
+      recorded_config = CudaAllocatorConfig::parse(*snap.alloc_conf);
+    } catch (const c10::Error& e) {
+      throw UsageError(input + ": its PYTORCH_CUDA_ALLOC_CONF \"" + *snap.alloc_conf +
+                       "\" is not one the model knows: " + e.what_without_backtrace());
+    }
+  }
+  return recorded_config;
+}
+
+nlohmann::json snapshot_json(const SnapshotFlags& f, const Snapshot& snap, const std::vector<DeviceRun>& runs,
+                             const std::optional<SnapshotReplay>& other) {
+  const auto& r = runs.front().replay;
+  nlohmann::json j;
+  j["kind"] = "snapshot";
+  j["file"] = f.input;
+  j["num_events"] = r.num_events;
+  j["recorded_alloc_conf"] = snap.alloc_conf ? nlohmann::json(*snap.alloc_conf) : nlohmann::json();
+  // Device 0 (or the only one) at the top, as before devices were read.
+  j["replay"] = replay_json(r);
+  j["what_if"] = what_if_json(runs.front());
+  j["oom"] = r.oom ? oom_json(*r.oom) : nlohmann::json();
+  j["devices"] = nlohmann::json::array();
+  for (const auto& d : runs) j["devices"].push_back(device_json(d));
+  if (other) {
+    nlohmann::json grew = nlohmann::json::array();
+    for (const auto& g : grown(r, *other)) {
+      grew.push_back({{"frame", g.frame}, {"bytes", g.requested_bytes}, {"num_allocations", g.num_allocations}});
+    }
+    j["diff"] = {{"file", f.diff},
+                 {"peak_reserved_bytes", other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes},
+                 {"peak_requested_bytes", other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes},
+                 {"num_segment_allocs", other->recorded.num_segment_allocs - r.recorded.num_segment_allocs},
+                 {"grew_at_peak", grew}};
+  }
+  return j;
+}
+
+void print_snapshot(const SnapshotFlags& f, const Snapshot& snap, const std::vector<DeviceRun>& runs,
+                    const std::optional<SnapshotReplay>& other) {
+  const auto& r = runs.front().replay;
+  for (const auto& d : runs) {
+    if (runs.size() > 1) std::cout << (&d == &runs.front() ? "" : "\n");
+    const std::string title = runs.size() > 1
+        ? "snapshot " + f.input + ", device " + std::to_string(d.device) + " of " + std::to_string(runs.size())
+        : "snapshot " + f.input;
+    print_text(title, d.own ? *d.own : snap, d.replay, d.what_if, d.what_if_device_bytes);
+  }
+  if (other) {
+    std::cout << "diff " << f.diff << " - " << f.input << ": peak reserved "
+              << with_commas(other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes)
+              << " B, peak requested "
+              << with_commas(other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes)
+              << " B, cudaMalloc calls "
+              << (other->recorded.num_segment_allocs - r.recorded.num_segment_allocs) << "\n";
+    const auto g = grown(r, *other);
+    std::cout << "live at the requested peak, grown by where it was allocated (" << f.diff << " - " << f.input
+              << "):\n";
+    for (size_t k = 0; k < g.size() && k < 10; ++k) {
+      std::cout << "  +" << with_commas(g[k].requested_bytes) << " B  (" << g[k].num_allocations << " allocations)  "
+                << g[k].frame << "\n";
+    }
+  }
+}
+
+void run_snapshot(const SnapshotFlags& f) {
+  const int64_t device_bytes = f.device_memory.empty() ? 0 : parse_bytes(f.device_memory);
+  if (!f.device_memory.empty() && device_bytes <= 0) {
+    throw UsageError("--device-memory: expected a size > 0, but got \"" + f.device_memory + "\"");
+  }
+  const Snapshot snap = load_snapshot(f.input);
+  const auto confs = snapshot_confs(f, device_bytes);
+  const auto runs = run_devices(snap, recorded_config_of(snap, f.input), confs, device_bytes);
+  std::optional<SnapshotReplay> other;
+  if (!f.diff.empty()) other = replay_snapshot(load_snapshot(f.diff));
+  if (f.json) {
+    std::cout << snapshot_json(f, snap, runs, other).dump(2) << "\n";
+    return;
+  }
+  print_snapshot(f, snap, runs, other);
+}
+
 } // namespace
 
 void add_snapshot_command(CLI::App& app) {
-  struct Flags {
-    std::string input, diff, device_memory;
-    std::vector<std::string> confs;
-    bool json = false;
-  };
-  auto f = std::make_shared<Flags>();
+  auto f = std::make_shared<SnapshotFlags>();
   auto* sub = app.add_subcommand(
       "snapshot", "check the CUDA allocator model against a memory snapshot recorded on a GPU (_dump_snapshot)");
   sub->add_option("FILE", f->input, "a pickle written by torch.cuda.memory._dump_snapshot")->required();
@@ -226,98 +343,7 @@ void add_snapshot_command(CLI::App& app) {
                   "what-if on a device of this size (80GB, 141GiB): requests that do not fit fail, and "
                   "garbage_collection_threshold acts");
   sub->add_flag("--json", f->json, "print one JSON document");
-  sub->callback([f] {
-    auto load = [](const std::string& path) {
-      try {
-        return read_snapshot(path);
-      } catch (const c10::Error& e) {
-        throw UsageError(e.what_without_backtrace());
-      }
-    };
-    const int64_t device_bytes = f->device_memory.empty() ? 0 : parse_bytes(f->device_memory);
-    if (!f->device_memory.empty() && device_bytes <= 0) {
-      throw UsageError("--device-memory: expected a size > 0, but got \"" + f->device_memory + "\"");
-    }
-    const Snapshot snap = load(f->input);
-    std::vector<std::string> confs{""};
-    for (const auto& c : f->confs) {
-      try {
-        CudaAllocatorConfig::parse(c);
-      } catch (const c10::Error& e) {
-        throw UsageError("--alloc-conf " + c + ": " + e.what_without_backtrace());
-      }
-      confs.push_back(c);
-    }
-    if (f->confs.empty()) {
-      confs = {"", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"};
-      if (device_bytes > 0) {
-        confs.push_back("garbage_collection_threshold:0.8");  // acts only on a device of known size
-      }
-    }
-    // The recording's own allocator settings, when it names any: the replay
-    // follows the rules the GPU ran under.
-    CudaAllocatorConfig recorded_config;
-    if (snap.alloc_conf && !snap.alloc_conf->empty()) {
-      try {
-        recorded_config = CudaAllocatorConfig::parse(*snap.alloc_conf);
-      } catch (const c10::Error& e) {
-        throw UsageError(f->input + ": its PYTORCH_CUDA_ALLOC_CONF \"" + *snap.alloc_conf +
-                         "\" is not one the model knows: " + e.what_without_backtrace());
-      }
-    }
-    const auto runs = run_devices(snap, recorded_config, confs, device_bytes);
-    const auto& r = runs.front().replay;
-    std::optional<SnapshotReplay> other;
-    if (!f->diff.empty()) other = replay_snapshot(load(f->diff));
-    if (f->json) {
-      nlohmann::json j;
-      j["kind"] = "snapshot";
-      j["file"] = f->input;
-      j["num_events"] = r.num_events;
-      j["recorded_alloc_conf"] = snap.alloc_conf ? nlohmann::json(*snap.alloc_conf) : nlohmann::json();
-      // Device 0 (or the only one) at the top, as before devices were read.
-      j["replay"] = replay_json(r);
-      j["what_if"] = what_if_json(runs.front());
-      j["oom"] = r.oom ? oom_json(*r.oom) : nlohmann::json();
-      j["devices"] = nlohmann::json::array();
-      for (const auto& d : runs) j["devices"].push_back(device_json(d));
-      if (other) {
-        nlohmann::json grew = nlohmann::json::array();
-        for (const auto& g : grown(r, *other)) {
-          grew.push_back({{"frame", g.frame}, {"bytes", g.requested_bytes}, {"num_allocations", g.num_allocations}});
-        }
-        j["diff"] = {{"file", f->diff},
-                     {"peak_reserved_bytes", other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes},
-                     {"peak_requested_bytes", other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes},
-                     {"num_segment_allocs", other->recorded.num_segment_allocs - r.recorded.num_segment_allocs},
-                     {"grew_at_peak", grew}};
-      }
-      std::cout << j.dump(2) << "\n";
-      return;
-    }
-    for (const auto& d : runs) {
-      if (runs.size() > 1) std::cout << (&d == &runs.front() ? "" : "\n");
-      const std::string title = runs.size() > 1
-          ? "snapshot " + f->input + ", device " + std::to_string(d.device) + " of " + std::to_string(runs.size())
-          : "snapshot " + f->input;
-      print_text(title, d.own ? *d.own : snap, d.replay, d.what_if, d.what_if_device_bytes);
-    }
-    if (other) {
-      std::cout << "diff " << f->diff << " - " << f->input << ": peak reserved "
-                << with_commas(other->recorded.peak_reserved_bytes - r.recorded.peak_reserved_bytes)
-                << " B, peak requested "
-                << with_commas(other->recorded.peak_requested_bytes - r.recorded.peak_requested_bytes)
-                << " B, cudaMalloc calls "
-                << (other->recorded.num_segment_allocs - r.recorded.num_segment_allocs) << "\n";
-      const auto g = grown(r, *other);
-      std::cout << "live at the requested peak, grown by where it was allocated (" << f->diff << " - " << f->input
-                << "):\n";
-      for (size_t k = 0; k < g.size() && k < 10; ++k) {
-        std::cout << "  +" << with_commas(g[k].requested_bytes) << " B  (" << g[k].num_allocations << " allocations)  "
-                  << g[k].frame << "\n";
-      }
-    }
-  });
+  sub->callback([f] { run_snapshot(*f); });
 }
 
 } // namespace trainmem::cli
