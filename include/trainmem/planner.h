@@ -371,6 +371,15 @@ struct TRAINMEM_API CheckpointPlan {
   /// Choices never made because they cannot run (plan_regions()); the plan
   /// text lists them.
   std::vector<UnavailableChoice> unavailable;
+  /// Where regions carry tensors past each other (Note [Regions with
+  /// several tensors]): the peak composed from the regions' profiles, in
+  /// bytes; predicted_peak_bytes and peak_phase are then the whole planned
+  /// step's on meta (predict_step_peak), and a plan within the budget is one
+  /// whose whole step is. 0 otherwise (or where the whole step has no meta
+  /// path).
+  int64_t composed_peak_bytes = 0;
+  /// Plans weighed against their whole step (0: none).
+  int64_t whole_step_rounds = 0;
 
   /// The plan as Transformer::forward takes it.
   BlockCheckpointing checkpointing() const;

@@ -758,6 +758,36 @@ CheckpointPlan assemble(const RegionModel& model, const PlanOptions& options, Re
   return plan;
 }
 
+// Whether a boundary between regions holds several tensors.
+bool carries_tensors(const RegionShapes& shapes) {
+  return std::any_of(shapes.specs.begin(), shapes.specs.end(), [](const BoundarySpec& b) { return b.size() > 1; });
+}
+
+// The whole step of `plan` on meta: the input, the regions under the plan,
+// the loss, backward and the optimizer (a warm-up step first), as
+// predict_step_peak runs it, over a module holding the regions' modules.
+StepPeak whole_step_on_meta(const RegionModel& model, const StaticTerms& terms, const CheckpointPlan& plan) {
+  torch::nn::Module all;
+  std::unordered_set<const torch::nn::Module*> seen;
+  for (const auto& r : model.regions) {
+    for (const auto& m : r.modules()) {
+      if (seen.insert(m.get()).second) {
+        all.register_module(fmt::format("m{}", seen.size()), m);
+      }
+    }
+  }
+  std::unique_ptr<torch::optim::Optimizer> made;
+  torch::optim::Optimizer* opt = model.optimizer;
+  if (opt == nullptr && model.make_optimizer) {
+    made = model.make_optimizer(terms.params);
+    opt = made.get();
+  }
+  const auto checkpointing = plan.checkpointing();
+  return predict_step_peak_locked(all, [&] {
+    return model.loss(run_regions(model.regions, model.input(at::kMeta), checkpointing));
+  }, opt);
+}
+
 } // namespace
 
 std::vector<const BlockProfile*> Candidates::choices(int64_t i, int64_t k) const {
@@ -802,9 +832,40 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   const Candidates cands = candidates(profiles, terms, max_region);
   Search search(cands, terms);
   const int64_t limit = options.budget_bytes() > 0 ? options.budget_bytes() : std::numeric_limits<int64_t>::max();
-  const Pick within = cheapest_within(search, std::max(limit, search.min_peak));
+  Pick within = cheapest_within(search, std::max(limit, search.min_peak));
   const Pick at_min_peak = limit <= search.min_peak ? within : cheapest_within(search, search.min_peak);
-  return assemble(model, options, std::move(shapes), profiles, cands, terms, limit, within, at_min_peak);
+  CheckpointPlan plan = assemble(model, options, shapes, profiles, cands, terms, limit, within, at_min_peak);
+  if (!carries_tensors(shapes)) {
+    return plan;
+  }
+  // Note [Regions with several tensors]: the plan weighed by its whole step
+  // on meta; while that is over the budget, the DP's limit is lowered by the
+  // excess (at most 4 rounds).
+  int64_t dp_limit = limit;
+  for (int round = 1;; ++round) {
+    StepPeak whole;
+    try {
+      whole = whole_step_on_meta(model, terms, plan);
+    } catch (const c10::Error& e) {
+      TORCH_WARN("plan_regions: the planned step has no meta path as a whole (",
+                 first_line(e.what_without_backtrace()), "); its peak is the regions' composition");
+      return plan;
+    }
+    plan.composed_peak_bytes = plan.predicted_peak_bytes;
+    plan.whole_step_rounds = round;
+    plan.predicted_peak_bytes = whole.peak_bytes;
+    plan.peak_phase = whole.phase;
+    const bool over = options.budget_bytes() > 0 && whole.peak_bytes > options.budget_bytes();
+    const bool composed_fits = plan.feasible;  // else it is the least-peak plan already
+    plan.feasible = composed_fits && !over;
+    if (!over || !composed_fits || round == 4 ||
+        dp_limit - (whole.peak_bytes - options.budget_bytes()) < search.min_peak) {
+      return plan;
+    }
+    dp_limit -= whole.peak_bytes - options.budget_bytes();
+    within = cheapest_within(search, dp_limit);
+    plan = assemble(model, options, shapes, profiles, cands, terms, dp_limit, within, at_min_peak);
+  }
 }
 
 } // namespace trainmem

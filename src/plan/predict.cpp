@@ -476,6 +476,13 @@ StepPeak predict_step_peak(
   check_on_meta(module, "predict_step_peak");
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
+  return detail::predict_step_peak_locked(module, loss_fn, optimizer);
+}
+
+namespace detail {
+
+StepPeak predict_step_peak_locked(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
+                                  torch::optim::Optimizer* optimizer) {
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
   auto& meta = MetaAllocator::get();
   CpuStepCount count;
@@ -505,6 +512,8 @@ StepPeak predict_step_peak(
   decompose(r, module, counter.grad_at_peak());
   return r;
 }
+
+} // namespace detail
 
 StepPeak measure_step_peak(
     torch::nn::Module& module,

@@ -210,6 +210,11 @@ std::string to_string(const CheckpointPlan& p) {
   }
   os << fmt::format("  predicted peak     {:>16} B ({})\n", with_commas(p.predicted_peak_bytes),
                     to_string(p.peak_phase));
+  if (p.composed_peak_bytes > 0) {
+    os << fmt::format("    the whole step on meta; composed from the regions {} B ({} plan{} weighed by "
+                      "their whole step)\n",
+                      with_commas(p.composed_peak_bytes), p.whole_step_rounds, p.whole_step_rounds == 1 ? "" : "s");
+  }
   os << fmt::format("    static (params, optimizer state, input) {} B, gradients {} B, "
                     "activations at the start of backward {} B\n",
                     with_commas(p.static_bytes), with_commas(p.grad_bytes), with_commas(p.activation_bytes));

@@ -98,6 +98,11 @@ int64_t counted_in_bytes(const BlockProfile& prof, SlotMask counted, bool kept_o
 // The output slots counted after `prof` ran on a boundary counted as `counted`.
 SlotMask counted_out(const BlockProfile& prof, SlotMask counted);
 
+// predict_step_peak() with prediction_mutex() held by the caller, its
+// arguments checked.
+StepPeak predict_step_peak_locked(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
+                                  torch::optim::Optimizer* optimizer);
+
 // Runs regions [first, first + count) on `xs`, each taking the one before's
 // outputs.
 std::vector<at::Tensor> run_span(const std::vector<Region>& regions, int64_t first, int64_t count,
