@@ -910,3 +910,48 @@ TEST(AuditTest, NodesNamedWithoutAnOpCallbackMatchTheMeters) {
   EXPECT_GE(mine.size(), 8u) << nodes;
   EXPECT_EQ(r.saved_activation_bytes, expected.saved_bytes);
 }
+
+// Note [Saves named by a later backward]: a GAN step's discriminator
+// backward (on a detached fake) does not reach the generator's saves from the
+// same forward; the generator's backward, later in the step, does. Its saves
+// are named after its nodes (TanhBackward0: only the generator has tanh),
+// and nothing is "(unattributed)".
+TEST(AuditTest, SavesNamedByALaterBackwardOfTheStep) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  torch::nn::Sequential gen(torch::nn::Linear(8, 32), torch::nn::Tanh(), torch::nn::Linear(32, 16), torch::nn::Tanh());
+  torch::nn::Sequential disc(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 1),
+                             torch::nn::Sigmoid());
+  torch::optim::Adam opt_g(gen->parameters(), 1e-3);
+  torch::optim::Adam opt_d(disc->parameters(), 1e-3);
+  trainmem::Audit audit;
+  audit.add_module(*gen);
+  audit.add_module(*disc);
+  audit.add_optimizer(opt_g, "G");
+  audit.add_optimizer(opt_d, "D");
+  const auto real = torch::randn({64, 16});
+  for (int i = 0; i < 2; ++i) {
+    auto step = audit.step();
+    opt_d.zero_grad();
+    auto fake = gen->forward(torch::randn({64, 8}));
+    auto d_loss = torch::binary_cross_entropy(disc->forward(real), torch::ones({64, 1})) +
+        torch::binary_cross_entropy(disc->forward(fake.detach()), torch::zeros({64, 1}));
+    d_loss.backward();
+    opt_d.step();
+    opt_g.zero_grad();
+    torch::binary_cross_entropy(disc->forward(fake), torch::ones({64, 1})).backward();
+    opt_g.step();
+  }
+  const auto r = audit.report();
+  std::map<std::string, int64_t> by_node;
+  int64_t total = 0;
+  for (const auto& n : r.saved_by_node) {
+    by_node[n.node] += n.bytes;
+    total += n.bytes;
+  }
+  EXPECT_EQ(by_node.count("(unattributed)"), 0u);
+  // The generator's two tanh outputs (64 x 32 and 64 x 16 floats) are saved
+  // once each, by TanhBackward0.
+  EXPECT_EQ(by_node["TanhBackward0"], (64 * 32 + 64 * 16) * 4);
+  EXPECT_EQ(total, r.saved_activation_bytes);
+}

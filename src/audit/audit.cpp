@@ -320,6 +320,7 @@ void Audit::begin_step() {
   if (s.metering) {
     s.meter->reset();
     s.step_saved = SavedTensorReport();
+    s.step_saved_waiting = {};
     s.meter_guard = std::make_unique<SavedTensorMeterGuard>(*s.meter);
   }
   std::weak_ptr<Impl> weak = s.shared_from_this();
@@ -369,6 +370,7 @@ void Audit::end_step() {
   }
   if (s.metering) {
     s.close_meter();
+    s.finish_step_saved();
   }
   StepRecord rec;
   rec.step = s.step_index;

@@ -106,7 +106,7 @@ bool Audit::Impl::same_saves(const SavedTensorReport& a, const SavedTensorReport
 
 // The meter covers forward only, one micro-batch at a time: a step's
 // saved bytes are its largest micro-batch's, what backward holds at once.
-void Audit::Impl::close_meter() {
+void Audit::Impl::close_meter(detail::WaitingSaves waiting) {
   if (!meter_guard) {
     return;
   }
@@ -114,8 +114,57 @@ void Audit::Impl::close_meter() {
   auto r = meter->report();
   if (r.saved_bytes >= step_saved.saved_bytes) {
     step_saved = std::move(r);
+    step_saved_waiting = std::move(waiting);
   }
   meter->reset();
+}
+
+namespace {
+
+// Adds `named` to `by_node` (one entry per node), sorted as a meter's report.
+void merge_by_node(std::vector<NodeSavedBytes>& by_node, const std::vector<detail::NamedSaves>& named) {
+  for (const auto& n : named) {
+    auto it = std::find_if(by_node.begin(), by_node.end(), [&](const auto& e) { return e.node == n.node; });
+    if (it == by_node.end()) {
+      by_node.push_back({n.node, n.bytes, n.tensors});
+    } else {
+      it->bytes += n.bytes;
+      it->num_tensors += n.tensors;
+    }
+  }
+  std::sort(by_node.begin(), by_node.end(), [](const auto& a, const auto& b) {
+    return a.bytes != b.bytes ? a.bytes > b.bytes : a.node < b.node;
+  });
+}
+
+} // namespace
+
+// Note [Saves named by a later backward]
+// A step with several backward passes (a GAN's discriminator step, then its
+// generator step) saves in one forward what only a later backward reaches:
+// the generator's activations, saved while the discriminator's loss is
+// built on a detached copy of its output. The meter names a save's node by
+// a walk from the roots when a backward begins (Note [Naming nodes by
+// sequence number]); what the first backward does not reach is taken out of
+// the meter unnamed, kept with the micro-batch's report, and named by each
+// later backward of the step. Only what no backward of the step reaches is
+// "(unattributed)" when the step ends.
+void Audit::Impl::name_waiting_saves(const torch::autograd::edge_list& roots) {
+  if (!step_saved_waiting.saves.empty()) {
+    merge_by_node(step_saved.by_node, detail::name_waiting_saves(step_saved_waiting, roots));
+  }
+}
+
+void Audit::Impl::finish_step_saved() {
+  detail::NamedSaves left{"(unattributed)", 0, 0};
+  for (const auto& w : step_saved_waiting.saves) {
+    left.bytes += w.bytes;
+    left.tensors += w.tensors;
+  }
+  step_saved_waiting = {};
+  if (left.tensors > 0) {
+    merge_by_node(step_saved.by_node, {left});
+  }
 }
 
 } // namespace trainmem

@@ -128,10 +128,13 @@ void Audit::Impl::on_backward(bool begin, const torch::autograd::edge_list& root
   backward_depth += begin ? 1 : -1;
   if (metering) {
     if (begin) {
+      name_waiting_saves(roots);  // Note [Saves named by a later backward]
+      detail::WaitingSaves waiting;
       if (meter_guard) {
         detail::name_saved_nodes(*meter, roots);  // Note [Naming nodes by sequence number]
+        waiting = detail::take_waiting_saves(*meter);
       }
-      close_meter();
+      close_meter(std::move(waiting));
     } else {
       meter_guard = std::make_unique<SavedTensorMeterGuard>(*meter);
     }

@@ -88,6 +88,64 @@ thread_local const char* tls_save_label = nullptr;
 thread_local int64_t tls_op_depth = 0;
 // TorchScript functions running on this thread (Note [Naming nodes by sequence number]).
 thread_local int64_t tls_script_depth = 0;
+
+// Walks the graph from `roots` to the nodes of `saves` (ascending sequence
+// numbers, made on `thread`) and calls found(i, node) once for each save i
+// whose node it reaches. Nodes only lead to older nodes of the thread, so
+// the walk stops below the oldest save.
+template <typename Found>
+void walk_to_saves(const std::vector<WaitingSave>& saves, uint64_t thread, const torch::autograd::edge_list& roots,
+                   Found&& found) {
+  if (saves.empty()) {
+    return;
+  }
+  const uint64_t lo = saves.front().seq;
+  const uint64_t hi = at::sequence_number::peek();  // no node of the thread is newer
+  if (hi <= lo) {
+    return;
+  }
+  std::vector<bool> hit(saves.size(), false);
+  size_t named = 0;
+  auto name = [&](uint64_t seq, const torch::autograd::Node& node) {
+    auto it = std::lower_bound(saves.begin(), saves.end(), seq,
+                               [](const WaitingSave& n, uint64_t s) { return n.seq < s; });
+    if (it != saves.end() && it->seq == seq) {
+      const auto i = static_cast<size_t>(it - saves.begin());
+      if (!hit[i]) {
+        hit[i] = true;
+        ++named;
+        found(i, node);
+      }
+    }
+  };
+  std::vector<bool> visited(hi - lo, false);
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& e : roots) {
+    stack.push_back(e.function.get());
+  }
+  while (!stack.empty() && named < saves.size()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || node->thread_id() != thread) {
+      continue;
+    }
+    const uint64_t seq = node->sequence_nr();
+    if (seq < lo || seq >= hi || visited[seq - lo]) {
+      continue;  // older than any waiting save (its inputs are older still), or seen
+    }
+    visited[seq - lo] = true;
+    name(seq, *node);
+    if (typeid(*node) == typeid(torch::autograd::CopySlices)) {
+      const auto& fn = static_cast<const torch::autograd::CopySlices*>(node)->fn;
+      if (fn) {
+        name(fn->sequence_nr(), *fn);  // reached only through its wrapper
+      }
+    }
+    for (const auto& e : node->next_edges()) {
+      stack.push_back(e.function.get());
+    }
+  }
+}
 } // namespace
 
 struct MeterState {
@@ -119,11 +177,7 @@ struct MeterState {
   bool by_sequence = false;
   // Saves waiting for their node's name, by node sequence number (ascending:
   // the numbers only grow on a thread), and the thread that made them.
-  struct Numbered {
-    uint64_t seq;
-    int64_t bytes;
-    int64_t tensors;
-  };
+  using Numbered = WaitingSave;
   std::vector<Numbered> numbered;
   uint64_t numbered_thread = 0;
   // Node names by node type, for the types whose name is the type's own
@@ -292,60 +346,20 @@ struct MeterState {
     if (numbered.empty()) {
       return;
     }
-    const uint64_t lo = numbered.front().seq;
-    const uint64_t hi = at::sequence_number::peek();  // no node of the thread is newer
-    if (hi <= lo) {
-      return;
-    }
     struct Named {
       TypeName* type = nullptr;
       std::string name;  // a type whose name is not cached
       bool set = false;
     };
     std::vector<Named> names(numbered.size());
-    size_t named = 0;
-    auto name = [&](uint64_t seq, const torch::autograd::Node& node) {
-      auto it = std::lower_bound(numbered.begin(), numbered.end(), seq,
-                                 [](const Numbered& n, uint64_t s) { return n.seq < s; });
-      if (it != numbered.end() && it->seq == seq) {
-        auto& slot = names[static_cast<size_t>(it - numbered.begin())];
-        if (!slot.set) {
-          slot.type = type_name(node);
-          if (slot.type == nullptr) {
-            slot.name = node.name();
-          }
-          slot.set = true;
-          ++named;
-        }
+    walk_to_saves(numbered, numbered_thread, roots, [&](size_t i, const torch::autograd::Node& node) {
+      auto& slot = names[i];
+      slot.type = type_name(node);
+      if (slot.type == nullptr) {
+        slot.name = node.name();
       }
-    };
-    std::vector<bool> visited(hi - lo, false);
-    std::vector<torch::autograd::Node*> stack;
-    for (const auto& e : roots) {
-      stack.push_back(e.function.get());
-    }
-    while (!stack.empty() && named < numbered.size()) {
-      auto* node = stack.back();
-      stack.pop_back();
-      if (node == nullptr || node->thread_id() != numbered_thread) {
-        continue;
-      }
-      const uint64_t seq = node->sequence_nr();
-      if (seq < lo || seq >= hi || visited[seq - lo]) {
-        continue;  // older than any waiting save (its inputs are older still), or seen
-      }
-      visited[seq - lo] = true;
-      name(seq, *node);
-      if (typeid(*node) == typeid(torch::autograd::CopySlices)) {
-        const auto& fn = static_cast<const torch::autograd::CopySlices*>(node)->fn;
-        if (fn) {
-          name(fn->sequence_nr(), *fn);  // reached only through its wrapper
-        }
-      }
-      for (const auto& e : node->next_edges()) {
-        stack.push_back(e.function.get());
-      }
-    }
+      slot.set = true;
+    });
     size_t kept = 0;
     for (size_t i = 0; i < numbered.size(); ++i) {
       if (names[i].type != nullptr) {
@@ -787,6 +801,48 @@ void name_nodes_by_sequence(SavedTensorMeter& meter) {
   auto& state = MeterAccess::state(meter);
   TORCH_CHECK(!state.active.load(), "trainmem meter: cannot change how a meter names nodes while its guard is active");
   state.by_sequence = true;
+}
+
+WaitingSaves take_waiting_saves(SavedTensorMeter& meter) noexcept {
+  auto& state = MeterAccess::state(meter);
+  WaitingSaves out;
+  try {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    out.thread = state.numbered_thread;
+    out.saves = std::move(state.numbered);
+    state.numbered.clear();
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem meter: waiting saves were not taken: ", e.what());
+  }
+  return out;
+}
+
+std::vector<NamedSaves> name_waiting_saves(WaitingSaves& waiting, const torch::autograd::edge_list& roots) noexcept {
+  std::vector<NamedSaves> named;
+  try {
+    std::vector<std::string> names(waiting.saves.size());
+    walk_to_saves(waiting.saves, waiting.thread, roots,
+                  [&](size_t i, const torch::autograd::Node& node) { names[i] = node.name(); });
+    size_t kept = 0;
+    for (size_t i = 0; i < waiting.saves.size(); ++i) {
+      const auto& w = waiting.saves[i];
+      if (names[i].empty()) {
+        waiting.saves[kept++] = w;
+        continue;
+      }
+      auto it = std::find_if(named.begin(), named.end(), [&](const auto& n) { return n.node == names[i]; });
+      if (it == named.end()) {
+        named.push_back({names[i], 0, 0});
+        it = named.end() - 1;
+      }
+      it->bytes += w.bytes;
+      it->tensors += w.tensors;
+    }
+    waiting.saves.resize(kept);
+  } catch (const std::exception& e) {
+    TORCH_WARN("trainmem meter: saved tensors were not named: ", e.what());
+  }
+  return named;
 }
 
 void name_saved_nodes(SavedTensorMeter& meter, const torch::autograd::edge_list& roots) noexcept {

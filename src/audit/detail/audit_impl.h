@@ -35,6 +35,7 @@
 #include "trainmem/meter.h"
 
 #include "core/detail/alloc_recorder.h"
+#include "detail/attribution.h"
 
 namespace trainmem {
 
@@ -183,6 +184,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::vector<StepRecord> steps;
   SavedTensorReport last_saved;
   SavedTensorReport step_saved;  // largest micro-batch of the open step
+  // Its saves no backward has named yet (Note [Saves named by a later backward]).
+  detail::WaitingSaves step_saved_waiting;
   std::vector<std::pair<std::string, std::string>> config;
   std::vector<std::string> notes;
   int64_t predicted_activation_bytes = -1;
@@ -264,7 +267,12 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   void judge_shape(StepRecord& rec);
   std::optional<std::string> meter_note() const;
   static bool same_saves(const SavedTensorReport& a, const SavedTensorReport& b);
-  void close_meter();
+  // Ends the open micro-batch's meter; `waiting`: its saves still unnamed.
+  void close_meter(detail::WaitingSaves waiting = {});
+  // At a backward's start: names what it reaches of step_saved's waiting saves.
+  void name_waiting_saves(const torch::autograd::edge_list& roots);
+  // At the step's end: step_saved's saves no backward reached, "(unattributed)".
+  void finish_step_saved();
 
   // event_log.cpp: the timeline's events and their categories.
   int64_t adopt(const c10::Storage& storage, Category category, int64_t at_ns);
