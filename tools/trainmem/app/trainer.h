@@ -14,11 +14,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
+#include <torch/optim/optimizer.h>
 
 #include "trainmem/report.h"
 #include "trainmem/timeline.h"
@@ -98,6 +100,11 @@ Transformer make_trainer_model(const TrainerOptions& options, c10::Device device
 /// heads, batch (`batch`: a rank gives its shard's), seq_len, optimizer,
 /// precision.
 void set_model_config(Audit& audit, const TrainerOptions& options, int64_t batch);
+/// The trainers' optimizers by name: "adamw", "adam", else SGD with momentum
+/// 0.9 (train(), each data-parallel rank, and `trainmem estimate`'s step on
+/// meta).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
+                                                        double lr);
 
 } // namespace detail
 
