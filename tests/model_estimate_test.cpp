@@ -245,7 +245,7 @@ TEST(ModelEstimateTest, EstimateOfTheReferenceTransformerEqualsTheCpuStep) {
   EXPECT_EQ(e.step_peak.activation_bytes, measured.activation_bytes);
   EXPECT_TRUE(e.step_phases_split);
   EXPECT_EQ(e.saved_bytes, measured.activation_bytes);
-  EXPECT_EQ(e.saved_bytes, trainmem::estimate_activation_bytes(o).total_bytes);
+  EXPECT_EQ(e.saved_bytes, trainmem::estimate_activation_bytes(o, batch, seq_len).total_bytes);
   const int64_t params = trainmem::transformer_num_params(o);
   EXPECT_EQ(e.buckets.num_params, params);
   EXPECT_EQ(e.buckets.param_bytes, 4 * params);

@@ -31,9 +31,7 @@ TransformerOptions model_options(const ModelFlags& f) {
   return TransformerOptions()
       .num_layers(f.layers)
       .d_model(f.d_model)
-      .num_heads(f.heads)
-      .batch(f.batch)
-      .seq_len(f.seq_len);
+      .num_heads(f.heads);
 }
 
 struct AuditFlags {
@@ -185,6 +183,8 @@ void run_audit(const AuditFlags& f) {
   check_device(f.device);
   TrainerOptions o;
   o.model(model_options(f.model))
+      .batch(f.model.batch)
+      .seq_len(f.model.seq_len)
       .optimizer(f.optimizer)
       .lr(f.lr)
       .precision(parse_precision(f.precision))
@@ -456,9 +456,9 @@ void run_estimate(const AuditFlags& f) {
   std::optional<ActivationEstimate> terms;
   int64_t first_order = 0;
   if (f.precision == "fp32") {
-    const auto micro = TransformerOptions(model_options(f.model)).batch(f.model.batch / f.accumulate);
-    terms = estimate_activation_bytes(micro);
-    first_order = predicted_activation_bytes(micro);
+    const auto mo = model_options(f.model);
+    terms = estimate_activation_bytes(mo, f.model.batch / f.accumulate, f.model.seq_len);
+    first_order = predicted_activation_bytes(mo, f.model.batch / f.accumulate, f.model.seq_len);
   }
   if (f.json) {
     std::cout << estimate_json(f, e, cuda ? &*cuda : nullptr, terms, first_order).dump(2) << "\n";

@@ -26,6 +26,7 @@
 #include "trainmem/timeline.h"
 #include "trainmem/models/estimate.h"
 #include "trainmem/models/transformer.h"
+#include "app/variants.h"
 
 namespace trainmem {
 
@@ -34,6 +35,10 @@ namespace trainmem {
 /// blocks, d_model 128, 4 heads, input (16, 64, 128)) with AdamW.
 struct TrainerOptions {
   TORCH_ARG(TransformerOptions, model) = {};
+  /// B of the input (batch, seq_len, d_model): sequences per step (a
+  /// data-parallel run's global batch, split evenly across ranks).
+  TORCH_ARG(int64_t, batch) = kCapstoneBatch;
+  TORCH_ARG(int64_t, seq_len) = kCapstoneSeqLen;  ///< T of the input: tokens per sequence
   /// "adamw", "adam" or "sgd" (momentum 0.9).
   TORCH_ARG(std::string, optimizer) = "adamw";
   TORCH_ARG(double, lr) = 1e-3;
