@@ -11,15 +11,19 @@
 #include "trainmem/offload.h"
 #include "trainmem/selective.h"
 #include "trainmem/models/transformer.h"
+#include "app/variants.h"
 
 namespace {
+
+using trainmem::kCapstoneBatch;
+using trainmem::kCapstoneSeqLen;
 
 struct Capstone {
   Capstone() { torch::manual_seed(0); }
   trainmem::TransformerOptions options;
   trainmem::Transformer model{options};
   torch::optim::AdamW opt{model->parameters(), torch::optim::AdamWOptions(1e-3)};
-  at::Tensor x = torch::randn({options.batch(), options.seq_len(), options.d_model()});
+  at::Tensor x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, options.d_model()});
 
   void step(const trainmem::BlockCheckpointing& plan, trainmem::SavedTensorMeter* meter) {
     opt.zero_grad();

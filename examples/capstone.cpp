@@ -46,10 +46,11 @@ int main(int argc, char** argv) {
     // First thing: everything allocated from here on is counted.
     trainmem::CpuMemoryTracker::install();
     torch::manual_seed(0);
-    trainmem::TransformerOptions o;  // the seed's capstone
+    trainmem::TransformerOptions o;  // the capstone's model
+    const int64_t batch = trainmem::kCapstoneBatch, seq_len = trainmem::kCapstoneSeqLen;
     trainmem::Transformer model(o);
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
-    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+    auto x = torch::randn({batch, seq_len, o.d_model()});
 
     trainmem::SavedTensorMeter meter(*model);
     at::Tensor loss;
@@ -66,7 +67,7 @@ int main(int argc, char** argv) {
     // The seed's four checkpointing variants, each metered, gradients
     // compared with the plain run.
     const int64_t L = o.num_layers();
-    const int64_t unit = 4 * o.batch() * o.seq_len() * o.d_model();
+    const int64_t unit = 4 * batch * seq_len * o.d_model();
     std::vector<trainmem::VariantRun> runs;
     for (const auto& plan : trainmem::seed_variants(L)) {
       runs.push_back(trainmem::run_variant(model, x, plan));
@@ -74,12 +75,10 @@ int main(int argc, char** argv) {
     // Optimizer step in backward: at the capstone's shape (activations
     // dominate: the peak is early in backward) and with tiny activations
     // (batch 1, 8 tokens: the peak moves to the optimizer step).
-    const auto oib = trainmem::measure_optimizer_in_backward(o);
-    auto tiny = o;
-    tiny.batch(1).seq_len(8);
-    const auto oib_tiny = trainmem::measure_optimizer_in_backward(tiny);
-    const auto estimate = trainmem::estimate_activation_bytes(o);
-    const int64_t predicted = trainmem::predicted_activation_bytes(o);
+    const auto oib = trainmem::measure_optimizer_in_backward(o, batch, seq_len);
+    const auto oib_tiny = trainmem::measure_optimizer_in_backward(o, 1, 8);
+    const auto estimate = trainmem::estimate_activation_bytes(o, batch, seq_len);
+    const int64_t predicted = trainmem::predicted_activation_bytes(o, batch, seq_len);
     const double ratio = static_cast<double>(saved.saved_bytes) / static_cast<double>(predicted);
 
     if (json) {
@@ -94,7 +93,7 @@ int main(int argc, char** argv) {
       nlohmann::json doc = {
           {"schema", "trainmem/1"},
           {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()},
-                     {"num_heads", o.num_heads()}, {"batch", o.batch()}, {"seq_len", o.seq_len()}}},
+                     {"num_heads", o.num_heads()}, {"batch", batch}, {"seq_len", seq_len}}},
           {"params", buckets.num_params},
           {"param_bytes", buckets.param_bytes},
           {"grad_bytes", buckets.grad_bytes},
@@ -130,7 +129,7 @@ int main(int argc, char** argv) {
 
     std::cout << fmt::format(
         "trainmem capstone: {} pre-LN blocks, d_model {}, {} heads, input ({}, {}, {}), fp32, AdamW\n\n",
-        o.num_layers(), o.d_model(), o.num_heads(), o.batch(), o.seq_len(), o.d_model());
+        o.num_layers(), o.d_model(), o.num_heads(), batch, seq_len, o.d_model());
     std::cout << "static buckets (after one step)\n" << trainmem::to_string(buckets) << "\n";
     std::cout << trainmem::to_string(trainmem::predict_static_bytes(*model, trainmem::Recipe::kFp32AdamW))
               << "\n\n";

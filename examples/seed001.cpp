@@ -210,6 +210,7 @@ void print_terms(const char* title, const trainmem::CudaStepPrediction& a, const
 // the step time relative to storing everything.
 void capstone_on_gpu(const c10::Device& dev) {
   const trainmem::TransformerOptions o;
+  constexpr int64_t kBatch = 16, kSeqLen = 64;  // the capstone's input (16, 64, 128)
   std::cout << "\nCapstone on the GPU (AdamW, second step): measured / predicted max allocated, reserved; time vs none\n";
   double none_seconds = 0.0;
   const int64_t L = o.num_layers();
@@ -218,12 +219,12 @@ void capstone_on_gpu(const c10::Device& dev) {
       trainmem::BlockCheckpointing::every(L, 2),
       trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy())};
   for (const auto& ck : variants) {
-    const auto pred = trainmem::predict_cuda_transformer_step(o, ck);
+    const auto pred = trainmem::predict_cuda_transformer_step(o, kBatch, kSeqLen, ck);
     torch::manual_seed(0);
     trainmem::Transformer model(o);
     model->to(dev);
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
-    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()}, at::TensorOptions(dev));
+    auto x = torch::randn({kBatch, kSeqLen, o.d_model()}, at::TensorOptions(dev));
     auto step = [&] {
       opt.zero_grad();
       model->forward(x, ck).pow(2).mean().backward();

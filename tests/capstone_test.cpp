@@ -16,6 +16,9 @@
 
 namespace {
 
+using trainmem::kCapstoneBatch;
+using trainmem::kCapstoneSeqLen;
+
 int64_t node_bytes(const trainmem::SavedTensorReport& r, const std::string& node) {
   for (const auto& n : r.by_node) {
     if (n.node == node) return n.bytes;
@@ -31,7 +34,7 @@ TEST(CapstoneTest, StaticBucketsMatchTheFormula) {
   const int64_t P = trainmem::transformer_num_params(o);
   EXPECT_EQ(P, 1189632);  // L (12 d^2 + 13 d)
 
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
   model->forward(x).pow(2).mean().backward();
   opt.step();
   const auto b = trainmem::account(*model, opt);
@@ -45,7 +48,7 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
   torch::manual_seed(0);
   trainmem::TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
 
   trainmem::SavedTensorMeter meter(*model);
   at::Tensor loss;
@@ -54,8 +57,8 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
     loss = model->forward(x).pow(2).mean();
   }
   const auto r = meter.report();
-  const auto estimate = trainmem::estimate_activation_bytes(o);
-  const int64_t predicted = trainmem::predicted_activation_bytes(o);
+  const auto estimate = trainmem::estimate_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen);
+  const int64_t predicted = trainmem::predicted_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen);
   EXPECT_EQ(predicted, 50331648);
   EXPECT_EQ(estimate.total_bytes, 51052544);
   EXPECT_EQ(r.saved_bytes, estimate.total_bytes) << trainmem::to_string(r);
@@ -64,14 +67,14 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
   EXPECT_NEAR(ratio, 1.014, 0.0005) << r.saved_bytes << " / " << predicted;
 
   // Where the bytes are, node by node (unit: one (B, T, d) fp32 tensor).
-  const int64_t L = o.num_layers(), unit = 4 * o.batch() * o.seq_len() * o.d_model();
-  const int64_t stats = 4 * o.batch() * o.seq_len();  // one (B, T, 1) tensor
+  const int64_t L = o.num_layers(), unit = 4 * kCapstoneBatch * kCapstoneSeqLen * o.d_model();
+  const int64_t stats = 4 * kCapstoneBatch * kCapstoneSeqLen;  // one (B, T, 1) tensor
   EXPECT_EQ(node_bytes(r, "NativeLayerNormBackward0"), L * (2 * unit + 4 * stats));
   // (B, T, d) Linears run as mm on the flattened input plus a bias add.
   EXPECT_EQ(node_bytes(r, "MmBackward0"), L * 6 * unit);
   EXPECT_EQ(node_bytes(r, "GeluBackward0"), L * 4 * unit);
   EXPECT_EQ(node_bytes(r, "ScaledDotProductFlashAttentionForCpuBackward0"),
-            L * (4 * unit + 4 * o.batch() * o.num_heads() * o.seq_len()));
+            L * (4 * unit + 4 * kCapstoneBatch * o.num_heads() * kCapstoneSeqLen));
   EXPECT_EQ(node_bytes(r, "PowBackward0"), unit);
   loss.backward();
 }
@@ -86,11 +89,11 @@ TEST(CapstoneTest, FourVariantsSaveExactlyWhatTheyShould) {
   torch::manual_seed(0);
   trainmem::TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
   const int64_t L = o.num_layers();
-  const int64_t unit = 4 * o.batch() * o.seq_len() * o.d_model();  // 512 KiB
-  const int64_t extras = 4 * 4 * o.batch() * o.seq_len()            // LN mean, rstd x2
-      + 4 * o.batch() * o.num_heads() * o.seq_len();                // SDPA log-sum-exp
+  const int64_t unit = 4 * kCapstoneBatch * kCapstoneSeqLen * o.d_model();  // 512 KiB
+  const int64_t extras = 4 * 4 * kCapstoneBatch * kCapstoneSeqLen            // LN mean, rstd x2
+      + 4 * kCapstoneBatch * o.num_heads() * kCapstoneSeqLen;                // SDPA log-sum-exp
   ASSERT_EQ(unit, 512 * 1024);
 
   const auto none = trainmem::run_variant(model, x, trainmem::BlockCheckpointing::none(L));
@@ -131,7 +134,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   torch::manual_seed(0);
   trainmem::TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
   const int64_t L = o.num_layers();
   std::vector<trainmem::VariantRun> runs;
   for (const auto& plan : trainmem::seed_variants(L)) {
@@ -153,7 +156,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   const auto predicted = trainmem::predict_step_peak(*meta, [&] {
-    return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta),
+    return meta->forward(at::empty({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}, at::kMeta),
                          trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy()))
         .pow(2)
         .mean();
@@ -161,7 +164,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   std::cout << trainmem::to_string(predicted);
   EXPECT_EQ(predicted.phase, trainmem::StepPhase::kForward);
   // run_variant's x exists before its window; the prediction builds it inside.
-  const int64_t x_bytes = 4 * o.batch() * o.seq_len() * o.d_model();
+  const int64_t x_bytes = 4 * kCapstoneBatch * kCapstoneSeqLen * o.d_model();
   const int64_t measured = sel.peak_above_start_bytes + predicted.param_bytes + x_bytes;
   EXPECT_NEAR(static_cast<double>(predicted.peak_bytes), static_cast<double>(measured), 0.001 * measured);
 }

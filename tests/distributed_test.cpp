@@ -27,14 +27,20 @@
 namespace trainmem {
 namespace {
 
-// Small enough for 4 ranks on 2 cores; the capstone's architecture.
+// Small enough for 4 ranks on 2 cores; the capstone's architecture, on an
+// input of (8, 16, 64).
 TransformerOptions small_model() {
-  return TransformerOptions().num_layers(2).d_model(64).num_heads(4).batch(8).seq_len(16);
+  return TransformerOptions().num_layers(2).d_model(64).num_heads(4);
+}
+constexpr int64_t kSmallBatch = 8;
+
+TrainerOptions small_trainer() {
+  return TrainerOptions().model(small_model()).batch(kSmallBatch).seq_len(16);
 }
 
 DistributedTrainerOptions small_run(int64_t nproc) {
   return DistributedTrainerOptions()
-      .trainer(TrainerOptions().model(small_model()).steps(2).keep_grads(true))
+      .trainer(small_trainer().steps(2).keep_grads(true))
       .nproc(nproc)
       .timeout_ms(30'000);
 }
@@ -70,7 +76,7 @@ TEST(DistributedTest, TwoAndFourRanksMatchSingleProcess) {
   const auto four = train_distributed(small_run(4));
 
   const auto mo = small_model();
-  const auto full = train(TrainerOptions().model(mo).steps(1).keep_grads(true));
+  const auto full = train(small_trainer().steps(1).keep_grads(true));
   for (const auto* run : {&two, &four}) {
     const auto& r = run->report;
     const int64_t n = r.world_size;
@@ -78,7 +84,7 @@ TEST(DistributedTest, TwoAndFourRanksMatchSingleProcess) {
     ASSERT_EQ(static_cast<int64_t>(r.ranks.size()), n);
     EXPECT_EQ(r.backend, "gloo");
     // The single-process run at the shard's batch, measured here.
-    const auto shard = train(TrainerOptions().model(TransformerOptions(mo).batch(mo.batch() / n)).steps(2));
+    const auto shard = train(small_trainer().batch(kSmallBatch / n).steps(2));
     for (const auto& k : r.ranks) {
       SCOPED_TRACE(fmt::format("rank {}", k.rank));
       EXPECT_EQ(k.audit.saved_activation_bytes, shard.report.saved_activation_bytes)
@@ -140,7 +146,7 @@ TEST(DistributedTest, GradientAsBucketViewKeepsOneCopy) {
   const auto viewed = train_distributed(o);
   const auto copied = train_distributed(small_run(2));
   const auto mo = small_model();
-  const auto full = train(TrainerOptions().model(mo).steps(1).keep_grads(true));
+  const auto full = train(small_trainer().steps(1).keep_grads(true));
   EXPECT_LE(max_abs_diff(viewed.grads, full.grads), 1e-6);
   for (size_t r = 0; r < 2; ++r) {
     const auto& v = viewed.report.ranks[r];
@@ -198,7 +204,7 @@ TEST(DistributedTest, SmallBucketCapMakesSeveralBuckets) {
   o.data_parallel(DataParallelOptions().bucket_cap_bytes(cap).first_bucket_cap_bytes(cap));
   const auto run = train_distributed(o);
   const auto mo = small_model();
-  const auto full = train(TrainerOptions().model(mo).steps(1).keep_grads(true));
+  const auto full = train(small_trainer().steps(1).keep_grads(true));
   EXPECT_LE(max_abs_diff(run.grads, full.grads), 1e-6);
   for (const auto& k : run.report.ranks) {
     SCOPED_TRACE(fmt::format("rank {}", k.rank));
@@ -221,7 +227,7 @@ TEST(DistributedTest, SmallBucketCapMakesSeveralBuckets) {
 TEST(DistributedTest, CommunicationBuffersHaveTheirOwnCategory) {
   // The buckets are made before the audit and rebuilt between steps 0 and 1:
   // in every rank's timeline, its peaks and its trace they are COMMUNICATION.
-  const auto copied = train_distributed(small_run(2).trainer(TrainerOptions().model(small_model()).steps(2)));
+  const auto copied = train_distributed(small_run(2).trainer(small_trainer().steps(2)));
   auto view_options = small_run(2);
   view_options.data_parallel(DataParallelOptions().gradient_as_bucket_view(true));
   const auto viewed = train_distributed(view_options);
@@ -343,8 +349,8 @@ TEST(DistributedCudaTest, NcclRanksMatchSingleProcess) {
   const auto mo = small_model();
   EXPECT_EQ(run.report.backend, "nccl");
   ASSERT_EQ(static_cast<int64_t>(run.report.ranks.size()), nproc);
-  const auto shard = train(TrainerOptions().model(TransformerOptions(mo).batch(mo.batch() / nproc)).steps(2).device("cuda"));
-  const auto full = train(TrainerOptions().model(mo).steps(1).keep_grads(true).device("cuda"));
+  const auto shard = train(small_trainer().batch(kSmallBatch / nproc).steps(2).device("cuda"));
+  const auto full = train(small_trainer().steps(1).keep_grads(true).device("cuda"));
   for (const auto& k : run.report.ranks) {
     SCOPED_TRACE(fmt::format("rank {} of {}", k.rank, nproc));
     EXPECT_EQ(k.audit.device, fmt::format("cuda:{}", k.rank));

@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
 #include "trainmem/allocator.h"
@@ -17,6 +18,8 @@
 #include "trainmem/grad_scaler.h"
 #include "trainmem/master_weights.h"
 #include "trainmem/models/lora.h"
+#include "trainmem/models/transformer.h"
+#include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "support/error_of.h"
 
@@ -210,6 +213,61 @@ TEST(ModelEstimateTest, Bf16WithFp32MasterWeightsEqualsTheCpuStep) {
       EXPECT_EQ(measured.optimizer_state_bytes, 8 * e.num_params) << c.config;
     }
   }
+}
+
+// estimate() of the reference transformer's step, as `trainmem estimate`
+// asks it: static buckets of parameters, gradients and AdamW's two moments
+// (4 + 4 + 8 B per parameter), the saved bytes of the exact term-by-term
+// count, and a step peak equal to the same step measured on CPU, to the byte.
+TEST(ModelEstimateTest, EstimateOfTheReferenceTransformerEqualsTheCpuStep) {
+  trainmem::CpuMemoryTracker::install();
+  const trainmem::TransformerOptions o;
+  const int64_t batch = 16, seq_len = 64;
+  trainmem::Transformer meta{nullptr};
+  {
+    trainmem::MetaInitGuard guard;
+    meta = trainmem::Transformer(o);
+  }
+  torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto e = trainmem::estimate(*meta, [&] {
+    return meta->forward(at::empty({batch, seq_len, o.d_model()}, at::kMeta)).pow(2).mean();
+  }, meta_opt);
+  torch::manual_seed(0);
+  trainmem::Transformer cpu(o);
+  torch::optim::AdamW cpu_opt(cpu->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto measured = trainmem::measure_step_peak(*cpu, [&] {
+    return cpu->forward(torch::randn({batch, seq_len, o.d_model()})).pow(2).mean();
+  }, &cpu_opt);
+  std::printf("reference transformer, estimate(): step peak predicted %lld B, measured %lld B\n",
+              static_cast<long long>(e.step_peak.peak_bytes), static_cast<long long>(measured.peak_bytes));
+  EXPECT_EQ(e.step_peak.peak_bytes, measured.peak_bytes) << trainmem::to_string(e.step_peak);
+  EXPECT_EQ(e.step_peak.phase, measured.phase);
+  EXPECT_EQ(e.step_peak.activation_bytes, measured.activation_bytes);
+  EXPECT_TRUE(e.step_phases_split);
+  EXPECT_EQ(e.saved_bytes, measured.activation_bytes);
+  EXPECT_EQ(e.saved_bytes, trainmem::estimate_activation_bytes(o, batch, seq_len).total_bytes);
+  const int64_t params = trainmem::transformer_num_params(o);
+  EXPECT_EQ(e.buckets.num_params, params);
+  EXPECT_EQ(e.buckets.param_bytes, 4 * params);
+  EXPECT_EQ(e.buckets.predicted_grad_bytes, 4 * params);
+  EXPECT_EQ(e.buckets.predicted_optimizer_state_bytes, 8 * params);
+  EXPECT_EQ(e.buckets.predicted_total_bytes(), 16 * params);
+  EXPECT_FALSE(e.cuda.has_value());
+  EXPECT_FALSE(e.assumptions.empty());
+}
+
+// estimate() refuses what it cannot predict, naming it.
+TEST(ModelEstimateTest, EstimateRefusesMasterWeightsAndNoMicroBatches) {
+  torch::nn::Linear lin(4, 2);
+  trainmem::to_meta(*lin);
+  torch::optim::AdamW opt(lin->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto loss = [&] { return lin->forward(at::empty({3, 4}, at::kMeta)).sum(); };
+  const auto master = error_of([&] {
+    trainmem::estimate(*lin, loss, opt, trainmem::EstimateOptions().precision(trainmem::Precision::kBf16Master));
+  });
+  EXPECT_NE(master.find("but got bf16-master"), std::string::npos) << master;
+  const auto none = error_of([&] { trainmem::estimate(*lin, loss, opt, trainmem::EstimateOptions().accumulation(0)); });
+  EXPECT_NE(none.find("expected accumulation >= 1, but got 0"), std::string::npos) << none;
 }
 
 }  // namespace

@@ -135,9 +135,8 @@ TEST(OptimizerInBackwardTest, ScheduleAndBadInput) {
 // the optimizer state exists in both runs.
 TEST(OptimizerInBackwardTest, CapstonePeakDropsByAboutTheGradientBucket) {
   trainmem::CpuMemoryTracker::install();
-  trainmem::TransformerOptions o;
-  o.batch(1).seq_len(8);
-  const auto peaks = trainmem::measure_optimizer_in_backward(o);
+  const trainmem::TransformerOptions o;
+  const auto peaks = trainmem::measure_optimizer_in_backward(o, /*batch=*/1, /*seq_len=*/8);
   const int64_t plain = peaks.plain_peak_bytes, oib = peaks.peak_bytes;
   const int64_t grad_bucket = 4 * trainmem::transformer_num_params(o);
   EXPECT_EQ(peaks.grad_bytes, grad_bucket);

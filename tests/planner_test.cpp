@@ -26,32 +26,35 @@
 
 namespace {
 
+using trainmem::kCapstoneBatch;
+using trainmem::kCapstoneSeqLen;
+
 using trainmem::BlockCheckpointing;
 using trainmem::TransformerOptions;
 
 TEST(PlannerTest, AnalyticModelGivesTheFirstOrderAndKorthikantisFigures) {
   TransformerOptions o;  // the capstone
-  const auto first_order = trainmem::analytic_activation_bytes(o);
+  const auto first_order = trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen);
   EXPECT_EQ(first_order.total_bytes, 50331648);
-  EXPECT_EQ(first_order.total_bytes, trainmem::predicted_activation_bytes(o));
-  EXPECT_EQ(first_order.per_layer_bytes, 64 * o.seq_len() * o.batch() * o.d_model());
+  EXPECT_EQ(first_order.total_bytes, trainmem::predicted_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen));
+  EXPECT_EQ(first_order.per_layer_bytes, 64 * kCapstoneSeqLen * kCapstoneBatch * o.d_model());
   int64_t sum = 0;
   for (const auto& t : first_order.terms) sum += t.bytes;
   EXPECT_EQ(sum, first_order.total_bytes);
   // The exact count adds LayerNorm's mean/rstd, SDPA's log-sum-exp, the loss input.
-  EXPECT_EQ(trainmem::estimate_activation_bytes(o).total_bytes - first_order.total_bytes,
+  EXPECT_EQ(trainmem::estimate_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen).total_bytes - first_order.total_bytes,
             4 * 4 * 16 * 64 * 6 + 4 * 16 * 4 * 64 * 6 + 4 * 16 * 64 * 128);
 
   // Korthikanti et al.: 34 s b h + 5 a s^2 b bytes per layer (fp16, dropout, eager).
-  const auto k = trainmem::analytic_activation_bytes(o, trainmem::AnalyticActivationOptions::korthikanti());
+  const auto k = trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::AnalyticActivationOptions::korthikanti());
   const int64_t s = 64, b = 16, h = 128, a = 4;
   EXPECT_EQ(k.per_layer_bytes, 34 * s * b * h + 5 * a * s * s * b);
   EXPECT_EQ(k.per_layer_bytes, 5767168);
   EXPECT_EQ(k.total_bytes, 6 * 5767168);
   // fp16, no dropout, fused attention: 32 bytes per token-channel.
-  const auto f16 = trainmem::analytic_activation_bytes(o, trainmem::AnalyticActivationOptions().element_bytes(2));
+  const auto f16 = trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::AnalyticActivationOptions().element_bytes(2));
   EXPECT_EQ(f16.per_layer_bytes, 32 * s * b * h);
-  EXPECT_THROW(trainmem::analytic_activation_bytes(o, trainmem::AnalyticActivationOptions().element_bytes(0)),
+  EXPECT_THROW(trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::AnalyticActivationOptions().element_bytes(0)),
                c10::Error);
 }
 
@@ -60,7 +63,7 @@ TEST(PlannerTest, MetaForwardSavesExactlyWhatTheCpuSaves) {
   TransformerOptions o;
   const int64_t L = o.num_layers();
   trainmem::Transformer cpu(o);
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   const std::vector<int64_t> expected = {51052544, 3670016, 27361280, 31981568};
@@ -68,7 +71,7 @@ TEST(PlannerTest, MetaForwardSavesExactlyWhatTheCpuSaves) {
   for (size_t i = 0; i < plans.size(); ++i) {
     const auto measured = trainmem::run_variant(cpu, x, plans[i]).saved;
     const auto predicted = trainmem::predict_saved_activations(*meta, [&] {
-      return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta), plans[i])
+      return meta->forward(at::empty({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}, at::kMeta), plans[i])
           .pow(2)
           .mean();
     });
@@ -274,10 +277,10 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
   torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
   for (const auto& plan : trainmem::seed_variants(L)) {
     const auto measured = trainmem::measure_step_peak(*cpu, [&] {
-      return cpu->forward(torch::randn({o.batch(), o.seq_len(), o.d_model()}), plan).pow(2).mean();
+      return cpu->forward(torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}), plan).pow(2).mean();
     }, &cpu_opt);
     const auto predicted = trainmem::predict_step_peak(*meta, [&] {
-      return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta), plan)
+      return meta->forward(at::empty({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}, at::kMeta), plan)
           .pow(2)
           .mean();
     }, &meta_opt);
@@ -312,7 +315,7 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
 // every_2).
 TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllButTheLast) {
   TransformerOptions o;
-  const auto plan = trainmem::plan_checkpointing(o);
+  const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen);
   std::cout << trainmem::to_string(plan);
   EXPECT_TRUE(plan.feasible);
   EXPECT_EQ(plan.name, "none");
@@ -328,7 +331,7 @@ TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllBut
   // 29,551,560 B = the meta step's 29,546,504 B + block 0's CPU RNG state
   // (5,056 B), which the planner counts: the same to the byte.
   EXPECT_EQ(plan.min_peak_bytes, 29546504 + 5056);
-  const auto tight = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(plan.min_peak_bytes));
+  const auto tight = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(plan.min_peak_bytes));
   ASSERT_TRUE(tight.feasible);
   for (int64_t i = 0; i + 1 < o.num_layers(); ++i) {
     EXPECT_EQ(tight.blocks[i].mode, trainmem::BlockMode::kCheckpoint) << i;
@@ -339,14 +342,14 @@ TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllBut
 
 TEST(PlannerTest, ImpossibleBudgetSaysTheSmallestReachablePeakAndItsCost) {
   TransformerOptions o;
-  const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(20 << 20));
+  const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(20 << 20));
   EXPECT_FALSE(plan.feasible);
   EXPECT_EQ(plan.min_peak_bytes, 29546504 + 5056);
   EXPECT_EQ(plan.predicted_peak_bytes, plan.min_peak_bytes);  // the plan given is that one
   EXPECT_EQ(plan.recompute_cost, plan.min_peak_cost);
   EXPECT_GT(plan.min_peak_cost, 0.0);
   EXPECT_NE(trainmem::to_string(plan).find("NO PLAN FITS"), std::string::npos);
-  EXPECT_THROW(trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(-1)), c10::Error);
+  EXPECT_THROW(trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(-1)), c10::Error);
 }
 
 // Raising the budget never raises the recompute cost; lowering it never
@@ -361,7 +364,7 @@ TEST(PlannerTest, PlansAreMonotoneInTheBudget) {
     const int64_t budget = mib << 20;
     for (bool selective : {true, false}) {
       const auto plan = trainmem::plan_checkpointing(
-          o, trainmem::PlanOptions().budget_bytes(budget).selective(selective));
+          o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(budget).selective(selective));
       if (!plan.feasible) {
         EXPECT_GT(plan.min_peak_bytes, budget);
         continue;
@@ -392,10 +395,10 @@ TEST(PlannerTest, PlannedStepRunsAsPredicted) {
   TransformerOptions o;
   torch::manual_seed(0);
   trainmem::Transformer model(o);
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
   const auto plain = trainmem::run_variant(model, x, BlockCheckpointing::none(o.num_layers()));
   for (int64_t budget : {int64_t{40} << 20, int64_t{32} << 20}) {
-    const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(budget));
+    const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(budget));
     ASSERT_TRUE(plan.feasible) << budget;
     const auto checkpointing = plan.checkpointing();
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -421,7 +424,7 @@ TEST(PlannerTest, SegmentsKeepOneInputPerRegion) {
   torch::manual_seed(0);
   TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
   const auto plain = trainmem::run_variant(model, x, BlockCheckpointing::none(6));
   const auto sqrt6 = BlockCheckpointing::sqrt(6);
   EXPECT_EQ(sqrt6.name, "sqrt");
@@ -441,8 +444,8 @@ TEST(PlannerTest, SegmentsKeepOneInputPerRegion) {
   EXPECT_THROW(BlockCheckpointing::segments(6, 7), c10::Error);
 }
 
-int64_t per_block_min(const TransformerOptions& o) {
-  return trainmem::plan_checkpointing(o, trainmem::PlanOptions().max_region_blocks(1)).min_peak_bytes;
+int64_t per_block_min(const TransformerOptions& o, int64_t batch, int64_t seq_len) {
+  return trainmem::plan_checkpointing(o, batch, seq_len, trainmem::PlanOptions().max_region_blocks(1)).min_peak_bytes;
 }
 
 // 64 thin blocks (activations dominate): segments of several blocks beat
@@ -450,23 +453,24 @@ int64_t per_block_min(const TransformerOptions& o) {
 // planner uses them for its smallest peak, and its composed prediction agrees
 // with the whole step simulated on meta.
 TEST(PlannerTest, DeepStackUsesSegmentsForItsSmallestPeak) {
-  const auto o = TransformerOptions().num_layers(64).d_model(32).num_heads(2).batch(32).seq_len(128);
-  const auto unlimited = trainmem::plan_checkpointing(o);
-  const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(unlimited.min_peak_bytes));
-  std::cout << trainmem::to_string(plan) << "per-block choices alone: " << per_block_min(o) << " B\n";
+  const auto o = TransformerOptions().num_layers(64).d_model(32).num_heads(2);
+  const int64_t batch = 32, seq_len = 128;
+  const auto unlimited = trainmem::plan_checkpointing(o, batch, seq_len);
+  const auto plan = trainmem::plan_checkpointing(o, batch, seq_len, trainmem::PlanOptions().budget_bytes(unlimited.min_peak_bytes));
+  std::cout << trainmem::to_string(plan) << "per-block choices alone: " << per_block_min(o, batch, seq_len) << " B\n";
   ASSERT_TRUE(plan.feasible);
   int64_t longest = 0;
   for (const auto& b : plan.blocks) longest = std::max(longest, b.region_blocks);
   EXPECT_GT(longest, 1);
   const auto per_block = trainmem::plan_checkpointing(
-      o, trainmem::PlanOptions().budget_bytes(unlimited.min_peak_bytes).max_region_blocks(1));
+      o, batch, seq_len, trainmem::PlanOptions().budget_bytes(unlimited.min_peak_bytes).max_region_blocks(1));
   EXPECT_FALSE(per_block.feasible);  // per-block choices alone cannot reach it
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
   const auto checkpointing = plan.checkpointing();
   const auto simulated = trainmem::predict_step_peak(*meta, [&] {
-    return meta->forward(at::empty({32, 128, 32}, at::kMeta), checkpointing).pow(2).mean();
+    return meta->forward(at::empty({batch, seq_len, o.d_model()}, at::kMeta), checkpointing).pow(2).mean();
   }, &opt);
   // The composed peak also counts the regions' CPU RNG states alive at the
   // peak (5,056 B each), which the meta step does not see.
@@ -484,7 +488,7 @@ TEST(PlannerTest, MeasuredOpTimesDriveThePlanToo) {
   TransformerOptions o;
   torch::manual_seed(0);
   trainmem::Transformer model(o);
-  auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
   const auto cost = trainmem::measured_op_cost([&] { model->forward(x); }, 2);
   auto a = at::empty({1024, 128}, at::kMeta), w = at::empty({128, 384}, at::kMeta);
   std::vector<c10::IValue> args = {a, w};
@@ -492,7 +496,7 @@ TEST(PlannerTest, MeasuredOpTimesDriveThePlanToo) {
   auto big = at::empty({4096, 4096}, at::kMeta);
   std::vector<c10::IValue> unseen = {big, big};
   EXPECT_GT(cost(trainmem::SelectiveOp{"aten::mm", "default", unseen}), 0.0);  // FLOPs x s/FLOP
-  const auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(40 << 20).op_cost(cost));
+  const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(40 << 20).op_cost(cost));
   ASSERT_TRUE(plan.feasible);
   EXPECT_LE(plan.predicted_peak_bytes, 40 << 20);
   EXPECT_GT(plan.recompute_cost, 0.0);

@@ -25,8 +25,12 @@
 #include "trainmem/planner.h"
 #include "trainmem/models/transformer.h"
 #include "region_planner_check.h"
+#include "app/variants.h"
 
 namespace {
+
+using trainmem::kCapstoneBatch;
+using trainmem::kCapstoneSeqLen;
 
 using trainmem::BlockMode;
 using trainmem::CheckpointPlan;
@@ -237,7 +241,7 @@ TEST(RegionPlannerTest, CapstonePlansAreUnchanged) {
        {4718592, 4718592, 4718592, 5259264, 5259264, 8421376}},
   };
   for (const auto& e : expected) {
-    const auto plan = trainmem::plan_checkpointing(o, PlanOptions().budget_bytes(e.budget_mib << 20));
+    const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, PlanOptions().budget_bytes(e.budget_mib << 20));
     ASSERT_TRUE(plan.feasible);
     EXPECT_EQ(plan.predicted_peak_bytes, e.peak_bytes) << e.budget_mib << " MiB\n" << to_string(plan);
     EXPECT_EQ(plan.min_peak_bytes, 29551560);
@@ -248,7 +252,7 @@ TEST(RegionPlannerTest, CapstonePlansAreUnchanged) {
       EXPECT_EQ(plan.blocks[i].stored_bytes, e.stored_bytes[i]) << e.budget_mib << " MiB, block " << i;
     }
   }
-  const auto plan40 = trainmem::plan_checkpointing(o, PlanOptions().budget_bytes(40 << 20));
+  const auto plan40 = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, PlanOptions().budget_bytes(40 << 20));
   EXPECT_EQ(plan40.blocks[2].saved_ops, (std::vector<std::string>{"aten::mm.default#0", "aten::mm.default#1"}));
   EXPECT_EQ(plan40.blocks[3].saved_ops,
             (std::vector<std::string>{"aten::mm.default#0", "aten::mm.default#1", "aten::mm.default#2"}));

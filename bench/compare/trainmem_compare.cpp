@@ -89,8 +89,11 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+// The capstone's batch; the sequence length is --seq-len.
+constexpr int64_t kBatch = 16;
+
 trainmem::TransformerOptions options_of(const Args& a) {
-  return trainmem::TransformerOptions().num_layers(a.num_layers).seq_len(a.seq_len);
+  return trainmem::TransformerOptions().num_layers(a.num_layers);
 }
 
 trainmem::BlockCheckpointing plan_of(const std::string& variant, int64_t L) {
@@ -153,15 +156,15 @@ int run_check(const Args& a) {
   const auto o = options_of(a);
   torch::manual_seed(0);
   trainmem::Transformer base(o);
-  const auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  const auto x = torch::randn({kBatch, a.seq_len, o.d_model()});
 
   json manifest;
   manifest["schema"] = "trainmem-compare/1";
   manifest["dtype"] = "float32";
   manifest["byte_order"] = "little";
   manifest["options"] = {{"num_layers", o.num_layers()}, {"d_model", o.d_model()},
-                         {"num_heads", o.num_heads()}, {"batch", o.batch()},
-                         {"seq_len", o.seq_len()}};
+                         {"num_heads", o.num_heads()}, {"batch", kBatch},
+                         {"seq_len", a.seq_len}};
   std::vector<at::Tensor> params;
   json names = json::array(), shapes = json::array();
   for (const auto& item : base->named_parameters()) {
@@ -309,7 +312,7 @@ int run_time(const Args& a) {
   const auto o = options_of(a);
   torch::manual_seed(0);
   trainmem::Transformer base(o);
-  const auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+  const auto x = torch::randn({kBatch, a.seq_len, o.d_model()});
   const auto names = a.variants.empty() ? kTimeVariants : a.variants;
   std::vector<std::unique_ptr<Runner>> runners;
   for (const auto& v : names) {
@@ -340,7 +343,7 @@ int run_time(const Args& a) {
               {"track_allocator", a.track_allocator},
               {"num_threads", at::get_num_threads()},
               {"num_layers", o.num_layers()},
-              {"seq_len", o.seq_len()},
+              {"seq_len", a.seq_len},
               {"variants", variants}};
   if (window) {
     doc["peak_bytes"] = window->peak_bytes();

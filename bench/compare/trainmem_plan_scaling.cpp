@@ -62,12 +62,13 @@ json meta_70b() {
 }
 
 json plan_row(int64_t L, int64_t T) {
-  const auto o = trainmem::TransformerOptions().num_layers(L).seq_len(T);
+  const auto o = trainmem::TransformerOptions().num_layers(L);
+  const int64_t B = 16;  // the capstone's batch
   trainmem::CheckpointPlan free_plan, tight_plan;
-  const double free_ms = time_ms([&] { free_plan = trainmem::plan_checkpointing(o); });
+  const double free_ms = time_ms([&] { free_plan = trainmem::plan_checkpointing(o, B, T); });
   const int64_t budget = free_plan.predicted_peak_bytes * 6 / 10;
   const double tight_ms = time_ms([&] {
-    tight_plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(budget));
+    tight_plan = trainmem::plan_checkpointing(o, B, T, trainmem::PlanOptions().budget_bytes(budget));
   });
   return {{"num_layers", L},
           {"seq_len", T},

@@ -250,7 +250,7 @@ TRAINMEM_API double flop_cost(const SelectiveOp& op);
 /// Example:
 /// ```
 /// auto cost = trainmem::measured_op_cost([&] { model->forward(x); }, 3);
-/// auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(b).op_cost(cost));
+/// auto plan = trainmem::plan_checkpointing(o, 16, 64, trainmem::PlanOptions().budget_bytes(b).op_cost(cost));
 /// ```
 TRAINMEM_API OpCostFn measured_op_cost(const std::function<void()>& run, int64_t repeats = 3);
 

@@ -1,11 +1,6 @@
 #pragma once
 // Small text helpers shared by the report writers and the trainers.
-#include <memory>
 #include <string>
-#include <vector>
-
-#include <ATen/core/Tensor.h>
-#include <torch/optim/optimizer.h>
 
 namespace trainmem::detail {
 
@@ -25,10 +20,5 @@ inline std::string html_escape(const std::string& s) {
   }
   return out;
 }
-
-// The bundled trainers' optimizers by name: "adamw", "adam", else SGD with
-// momentum 0.9 (trainer.cpp defines it; distributed_trainer.cpp uses it too).
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
-                                                        double lr);
 
 } // namespace trainmem::detail

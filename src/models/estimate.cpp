@@ -100,7 +100,8 @@ std::string precision_assumption(Precision p, bool cuda) {
 
 // What a CUDA prediction assumed: the GPU, its attention backend, the
 // workspaces, the allocator.
-std::string cuda_assumption(const CudaPredictOptions& c, const CudaStepPrediction& p) {
+std::string cuda_assumption(const CudaPredictOptions& c, const CudaStepPrediction& p,
+                            const std::string& optimizer = "AdamW") {
   const int64_t cc = c.compute_capability();
   std::string attention = "no scaled_dot_product_attention";
   if (p.flash_attention_calls + p.efficient_attention_calls > 0) {
@@ -113,27 +114,46 @@ std::string cuda_assumption(const CudaPredictOptions& c, const CudaStepPredictio
     }
   }
   return fmt::format("CUDA on {} (compute capability {}.{}): {}; cuBLAS workspace {} B per handle and stream, "
-                     "{}; the caching allocator with {} segments; the second of two steps (AdamW's state made in "
+                     "{}; the caching allocator with {} segments; the second of two steps ({}'s state made in "
                      "the first)",
                      c.gpu_name().empty() ? std::string("a GPU not named") : "the " + c.gpu_name(), cc / 10, cc % 10,
                      attention, with_commas(c.cublas_workspace_bytes()),
                      c.cublaslt_workspace_bytes() == 0
                          ? std::string("cuBLASLt sharing it")
                          : fmt::format("cuBLASLt's own {} B", with_commas(c.cublaslt_workspace_bytes())),
-                     c.allocator().expandable_segments() ? "expandable" : "fixed");
+                     c.allocator().expandable_segments() ? "expandable" : "fixed", optimizer);
 }
 
 // A step predicted as a function: its peak and what it started with, the
 // phases not split.
-void set_function_peak(ModelEstimate& e, const StepFunctionPeak& f) {
-  e.step_phases_split = false;
-  e.step_peak = StepPeak();
-  e.step_peak.peak_bytes = f.peak_bytes;
-  e.step_peak.param_bytes = f.param_bytes;
-  e.step_peak.buffer_bytes = f.buffer_bytes;
-  e.step_peak.optimizer_state_bytes = f.optimizer_state_bytes;
-  e.step_peak.activation_bytes = e.saved_bytes;
+StepPeak function_peak(const StepFunctionPeak& f, int64_t saved_bytes) {
+  StepPeak p;
+  p.peak_bytes = f.peak_bytes;
+  p.param_bytes = f.param_bytes;
+  p.buffer_bytes = f.buffer_bytes;
+  p.optimizer_state_bytes = f.optimizer_state_bytes;
+  p.activation_bytes = saved_bytes;
+  return p;
 }
+
+// `loss_fn` as the precision runs it for `device`: under autocast in bf16 or
+// fp16, else as it is.
+std::function<at::Tensor()> loss_under(Precision p, c10::DeviceType device, std::function<at::Tensor()> loss_fn) {
+  if (p != Precision::kBf16Autocast && p != Precision::kFp16Autocast) {
+    return loss_fn;
+  }
+  const auto dtype = p == Precision::kFp16Autocast ? at::kHalf : at::kBFloat16;
+  return [device, dtype, loss_fn = std::move(loss_fn)] { return run_under_autocast(device, dtype, loss_fn); };
+}
+
+// What estimate() and estimate_model() predict of a step: its saved bytes,
+// its peak on the CPU's kernels and, when asked, on CUDA.
+struct StepPrediction {
+  int64_t saved_bytes = 0;
+  StepPeak step_peak;
+  bool step_phases_split = true;
+  std::optional<CudaStepPrediction> cuda;
+};
 
 // Note [fp16 autocast as a step function]
 // fp16 autocast needs a GradScaler: the loss scaled before backward, the
@@ -145,6 +165,68 @@ void set_function_peak(ModelEstimate& e, const StepFunctionPeak& f) {
 // Its peak is the step's; the phases are not split (forward, backward and
 // optimizer peaks stay 0), and the scaler's own 8 B (scale and growth
 // tracker) are not in the start, as they are no module's or optimizer's.
+// Gradient accumulation is predicted the same way: its micro-batches'
+// backward passes, then one step.
+// `loss_on(device)`: the loss function as the precision runs it for `device`.
+using LossOn = std::function<std::function<at::Tensor()>(c10::DeviceType)>;
+
+StepPrediction predict_step(torch::nn::Module& module, const LossOn& loss_on, torch::optim::Optimizer& opt,
+                            const EstimateOptions& o) {
+  StepPrediction r;
+  const Precision p = o.precision();
+  r.saved_bytes = predict_saved_activations(module, loss_on(c10::kCPU)).saved_bytes;
+  if (!o.step()) {
+    return r;
+  }
+  const bool fp16 = p == Precision::kFp16Autocast;
+  const int64_t k = o.accumulation();
+  if (!fp16 && k == 1) {
+    r.step_peak = predict_step_peak(module, loss_on(c10::kCPU), &opt);
+    if (o.cuda()) {
+      r.cuda = predict_cuda_step_peak(module, loss_on(c10::kCUDA), &opt, *o.cuda());
+    }
+    return r;
+  }
+  const auto step_on = [&](c10::DeviceType device, GradScaler& scaler) {
+    return [&, device] {
+      for (auto& param : module.parameters()) {
+        param.mutable_grad().reset();
+      }
+      const auto loss_fn_on = loss_on(device);
+      for (int64_t i = 0; i < k; ++i) {
+        at::Tensor loss = loss_fn_on();
+        if (k > 1) {
+          loss = loss / k;
+        }
+        if (fp16) {
+          scaler.scale(loss).backward();
+        } else {
+          loss.backward();
+        }
+      }
+      if (fp16) {
+        scaler.unscale_(opt);
+        scaler.step(opt);
+        scaler.update();
+      } else {
+        opt.step();
+      }
+    };
+  };
+  {
+    GradScaler scaler;
+    r.step_phases_split = false;
+    r.step_peak = function_peak(predict_step_function({&module}, {&opt}, step_on(c10::kCPU, scaler)), r.saved_bytes);
+  }
+  if (o.cuda()) {
+    GradScaler scaler;
+    r.cuda = predict_cuda_step_function({&module}, {&opt}, step_on(c10::kCUDA, scaler), *o.cuda());
+  }
+  return r;
+}
+
+// estimate_model()'s fp16 step (Note [fp16 autocast as a step function]),
+// with an optimizer and a scaler of its own for each prediction.
 template <typename LossOn>
 void predict_fp16_steps(ModelEstimate& e, const HfModel& model, const std::vector<at::Tensor>& trainable,
                         const LossOn& loss_on) {
@@ -164,7 +246,8 @@ void predict_fp16_steps(ModelEstimate& e, const HfModel& model, const std::vecto
     torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
     GradScaler scaler;
     const auto f = predict_step_function({model.module.get()}, {&opt}, step_on(c10::kCPU, opt, scaler));
-    set_function_peak(e, f);
+    e.step_phases_split = false;
+    e.step_peak = function_peak(f, e.saved_bytes);
   }
   if (e.options.cuda()) {
     torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
@@ -205,7 +288,8 @@ void predict_master_steps(ModelEstimate& e, const HfModel& model, const std::vec
   {
     torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
     const auto f = predict_step_function({model.module.get(), masters.get()}, {&opt}, step_on(c10::kCPU, opt));
-    set_function_peak(e, f);
+    e.step_phases_split = false;
+    e.step_peak = function_peak(f, e.saved_bytes);
   }
   if (e.options.cuda()) {
     torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
@@ -295,27 +379,28 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
 
   const bool fp16 = o.precision() == Precision::kFp16Autocast;
   const bool amp = o.precision() == Precision::kBf16Autocast || fp16;
-  const auto loss_on = [&](c10::DeviceType device) {
+  // The batch made outside the autocast region, the model's loss inside it.
+  const LossOn loss_on = [&](c10::DeviceType device) -> std::function<at::Tensor()> {
     return [&, device] {
       const auto tokens = at::empty({o.batch(), o.seq_len()}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
       const auto loss = [&] { return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan); };
       return amp ? run_under_autocast(device, fp16 ? at::kHalf : at::kBFloat16, loss) : loss();
     };
   };
-  e.saved_bytes = predict_saved_activations(*model.module, loss_on(at::kCPU)).saved_bytes;
-  if (fp16) {
-    predict_fp16_steps(e, model, trainable, loss_on);
-  } else if (o.precision() == Precision::kBf16Master) {
-    predict_master_steps(e, model, trainable, loss_on);
+  if (fp16 || o.precision() == Precision::kBf16Master) {
+    e.saved_bytes = predict_saved_activations(*model.module, loss_on(c10::kCPU)).saved_bytes;
+    if (fp16) {
+      predict_fp16_steps(e, model, trainable, loss_on);
+    } else {
+      predict_master_steps(e, model, trainable, loss_on);
+    }
   } else {
-    {
-      torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
-      e.step_peak = predict_step_peak(*model.module, loss_on(at::kCPU), &opt);
-    }
-    if (o.cuda()) {
-      torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));  // fresh: it runs its own two steps
-      e.cuda = predict_cuda_step_peak(*model.module, loss_on(at::kCUDA), &opt, *o.cuda());
-    }
+    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
+    auto r = predict_step(*model.module, loss_on, opt, EstimateOptions().precision(o.precision()).cuda(o.cuda()));
+    e.saved_bytes = r.saved_bytes;
+    e.step_peak = r.step_peak;
+    e.step_phases_split = r.step_phases_split;
+    e.cuda = std::move(r.cuda);
   }
 
   auto& a = e.assumptions;
@@ -351,6 +436,80 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
   if (o.cuda()) {
     const auto& c = *o.cuda();
     a.push_back(cuda_assumption(c, *e.cuda));
+  }
+  return e;
+}
+
+namespace {
+
+// estimate()'s precision line: how `loss_fn` ran.
+std::string step_precision_assumption(Precision p, bool cuda) {
+  switch (p) {
+    case Precision::kFp32:
+      return "precision fp32: loss_fn run as given, the module's parameters, gradients and optimizer state in "
+             "their dtype";
+    case Precision::kBf16:
+      return "precision bf16: loss_fn run as given, the module as the caller cast it; gradients and optimizer "
+             "state in the parameters' dtype";
+    case Precision::kBf16Autocast:
+    case Precision::kFp16Autocast:
+      return fmt::format("precision {}: loss_fn under LibTorch's autocast in {}, the CPU's policy for the CPU "
+                         "figures{}{}",
+                         precision_name(p), p == Precision::kBf16Autocast ? "bf16" : "fp16",
+                         cuda ? ", CUDA's for the CUDA ones" : "",
+                         p == Precision::kBf16Autocast
+                             ? ""
+                             : "; the loss scaled by trainmem's GradScaler (its step taken; the step predicted as "
+                               "a function, its phases not split: Note [fp16 autocast as a step function])");
+    case Precision::kBf16Master:
+      break;
+  }
+  return "";
+}
+
+} // namespace
+
+Estimate estimate(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
+                  torch::optim::Optimizer& optimizer, const EstimateOptions& options) {
+  const auto& o = options;
+  TORCH_CHECK(o.precision() != Precision::kBf16Master,
+              "estimate: expected precision fp32, bf16-autocast, bf16 or fp16-autocast, but got bf16-master "
+              "(fp32 master weights beside a bf16 model: estimate_model() predicts a config-file model's step "
+              "with them)");
+  TORCH_CHECK(o.accumulation() >= 1, "estimate: expected accumulation >= 1, but got ", o.accumulation());
+  TORCH_CHECK(loss_fn, "estimate: expected a loss function, but got an empty one");
+  Estimate e;
+  e.options = o;
+  e.buckets = account(module, optimizer);
+  auto r = predict_step(module, [&](c10::DeviceType device) { return loss_under(o.precision(), device, loss_fn); },
+                        optimizer, o);
+  e.saved_bytes = r.saved_bytes;
+  e.step_peak = r.step_peak;
+  e.step_phases_split = r.step_phases_split;
+  e.cuda = std::move(r.cuda);
+
+  const auto& b = e.buckets;
+  auto& a = e.assumptions;
+  a.push_back(fmt::format("module: {} parameters, {} trainable, {} B of buffers; the step: gradients to none, "
+                          "loss_fn() (its batch made on meta), backward, the optimizer's step",
+                          with_commas(b.num_params), with_commas(b.num_trainable_params),
+                          with_commas(b.buffer_bytes)));
+  a.push_back(step_precision_assumption(o.precision(), o.cuda().has_value()));
+  if (o.accumulation() > 1) {
+    a.push_back(fmt::format("accumulation {}: loss_fn run {} times, each loss divided by {} before its backward, "
+                            "one optimizer step after them (the step predicted as a function, its phases not "
+                            "split); the saved bytes are one micro-batch's",
+                            o.accumulation(), o.accumulation(), o.accumulation()));
+  }
+  a.push_back(fmt::format("optimizer {}: its state as it will be after the first step ({} B); the step peak is the "
+                          "second of two steps on meta with the CPU's kernels (the state made in the first), the "
+                          "bytes the CPU's allocator holds when the same step runs there",
+                          b.optimizer, with_commas(b.predicted_optimizer_state_bytes)));
+  if (!o.step()) {
+    a.push_back("the step not predicted (options.step false): static buckets and saved bytes only");
+  }
+  if (o.cuda() && e.cuda) {
+    a.push_back(cuda_assumption(*o.cuda(), *e.cuda, b.optimizer));
   }
   return e;
 }

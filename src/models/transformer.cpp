@@ -118,12 +118,16 @@ int64_t transformer_num_params(const TransformerOptions& o) {
   return o.num_layers() * (12 * d * d + 13 * d);
 }
 
-int64_t predicted_activation_bytes(const TransformerOptions& o) {
-  return 64 * o.seq_len() * o.batch() * o.d_model() * o.num_layers();
+int64_t predicted_activation_bytes(const TransformerOptions& o, int64_t batch, int64_t seq_len) {
+  TORCH_CHECK(batch >= 1 && seq_len >= 1, "predicted_activation_bytes: expected batch and seq_len >= 1, but got ",
+              batch, " and ", seq_len);
+  return 64 * seq_len * batch * o.d_model() * o.num_layers();
 }
 
-ActivationEstimate estimate_activation_bytes(const TransformerOptions& o) {
-  const int64_t L = o.num_layers(), B = o.batch(), T = o.seq_len(), d = o.d_model(),
+ActivationEstimate estimate_activation_bytes(const TransformerOptions& o, int64_t batch, int64_t seq_len) {
+  TORCH_CHECK(batch >= 1 && seq_len >= 1, "estimate_activation_bytes: expected batch and seq_len >= 1, but got ",
+              batch, " and ", seq_len);
+  const int64_t L = o.num_layers(), B = batch, T = seq_len, d = o.d_model(),
                 H = o.num_heads(), f = 4;  // fp32
   ActivationEstimate e;
   // Per layer, in (B, T, d) units: LayerNorm inputs 2, QKV input 1, q/k/v 3

@@ -20,10 +20,14 @@ namespace trainmem {
 
 AnalyticActivations analytic_activation_bytes(
     const TransformerOptions& o,
+    int64_t batch,
+    int64_t seq_len,
     const AnalyticActivationOptions& opt) {
   TORCH_CHECK(opt.element_bytes() > 0,
               "analytic_activation_bytes: expected element_bytes > 0, but got ", opt.element_bytes());
-  const int64_t L = o.num_layers(), s = o.seq_len(), b = o.batch(), h = o.d_model(),
+  TORCH_CHECK(batch >= 1 && seq_len >= 1, "analytic_activation_bytes: expected batch and seq_len >= 1, but got ",
+              batch, " and ", seq_len);
+  const int64_t L = o.num_layers(), s = seq_len, b = batch, h = o.d_model(),
                 a = o.num_heads(), e = opt.element_bytes();
   const int64_t sbh = s * b * h;
   AnalyticActivations r;
@@ -74,15 +78,16 @@ struct TransformerRegions {
   RegionModel model;
 };
 
-TransformerRegions transformer_regions(const TransformerOptions& o, bool adamw) {
+TransformerRegions transformer_regions(const TransformerOptions& o, int64_t batch, int64_t seq_len, bool adamw) {
+  TORCH_CHECK(batch >= 1 && seq_len >= 1, "expected batch and seq_len >= 1, but got ", batch, " and ", seq_len);
   TransformerRegions r;
   {
     MetaInitGuard guard;
     r.meta = Transformer(o);
   }
   r.model.regions = regions_of<TransformerBlockImpl>(r.meta->blocks);
-  r.model.input = [o](c10::Device device) {
-    return at::empty({o.batch(), o.seq_len(), o.d_model()}, at::TensorOptions().device(device));
+  r.model.input = [o, batch, seq_len](c10::Device device) {
+    return at::empty({batch, seq_len, o.d_model()}, at::TensorOptions().device(device));
   };
   r.model.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
   if (adamw) {
@@ -95,12 +100,13 @@ TransformerRegions transformer_regions(const TransformerOptions& o, bool adamw) 
 
 } // namespace
 
-CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions& options, bool adamw) {
+CheckpointPlan plan_checkpointing(const TransformerOptions& o, int64_t batch, int64_t seq_len,
+                                  const PlanOptions& options, bool adamw) {
   TORCH_CHECK(options.budget_bytes() >= 0,
               "plan_checkpointing: expected budget_bytes >= 0, but got ", options.budget_bytes());
   TORCH_CHECK(o.num_layers() >= 1, "plan_checkpointing: expected num_layers >= 1, but got ",
               o.num_layers());
-  const auto t = transformer_regions(o, adamw);
+  const auto t = transformer_regions(o, batch, seq_len, adamw);
   auto plan = plan_regions(t.model, options);
   plan.region_names.assign(plan.blocks.size(), "block");
   return plan;
@@ -108,9 +114,13 @@ CheckpointPlan plan_checkpointing(const TransformerOptions& o, const PlanOptions
 
 CudaStepPrediction predict_cuda_transformer_step(
     const TransformerOptions& model,
+    int64_t batch,
+    int64_t seq_len,
     const BlockCheckpointing& checkpointing,
     bool adamw,
     const CudaPredictOptions& options) {
+  TORCH_CHECK(batch >= 1 && seq_len >= 1, "predict_cuda_transformer_step: expected batch and seq_len >= 1, but got ",
+              batch, " and ", seq_len);
   Transformer meta{nullptr};
   {
     MetaInitGuard guard;
@@ -123,7 +133,7 @@ CudaStepPrediction predict_cuda_transformer_step(
   return predict_cuda_step_peak(
       *meta,
       [&] {
-        return meta->forward(at::empty({model.batch(), model.seq_len(), model.d_model()}, at::kMeta), checkpointing)
+        return meta->forward(at::empty({batch, seq_len, model.d_model()}, at::kMeta), checkpointing)
             .pow(2)
             .mean();
       },
@@ -132,6 +142,8 @@ CudaStepPrediction predict_cuda_transformer_step(
 
 CudaCheckpointPlan plan_checkpointing_cuda(
     const TransformerOptions& o,
+    int64_t batch,
+    int64_t seq_len,
     const PlanOptions& options,
     CudaBudgetKind kind,
     const CudaPredictOptions& cuda,
@@ -140,7 +152,7 @@ CudaCheckpointPlan plan_checkpointing_cuda(
               options.budget_bytes());
   TORCH_CHECK(o.num_layers() >= 1, "plan_checkpointing_cuda: expected num_layers >= 1, but got ",
               o.num_layers());
-  auto t = transformer_regions(o, adamw);
+  auto t = transformer_regions(o, batch, seq_len, adamw);
   auto r = plan_regions_cuda(t.model, *t.meta, options, kind, cuda);
   r.plan.region_names.assign(r.plan.blocks.size(), "block");
   return r;

@@ -7,7 +7,6 @@
 #include <sstream>
 
 #include <c10/util/Exception.h>
-#include <torch/optim/adamw.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -15,15 +14,14 @@
 #include "model_file.h"
 #include "trainmem/accountant.h"
 #include "trainmem/cuda_predict.h"
-#include "trainmem/grad_scaler.h"
 #include "trainmem/device.h"
 #include "trainmem/meta.h"
 #ifdef TRAINMEM_WITH_DISTRIBUTED
 #include "app/distributed_trainer.h"
 #endif
-#include "trainmem/models/transformer_plan.h"
 #include "trainmem/report.h"
 #include "app/trainer.h"
+#include "trainmem/models/estimate.h"
 #include "trainmem/models/transformer.h"
 
 namespace trainmem::cli {
@@ -33,9 +31,7 @@ TransformerOptions model_options(const ModelFlags& f) {
   return TransformerOptions()
       .num_layers(f.layers)
       .d_model(f.d_model)
-      .num_heads(f.heads)
-      .batch(f.batch)
-      .seq_len(f.seq_len);
+      .num_heads(f.heads);
 }
 
 struct AuditFlags {
@@ -88,52 +84,57 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
 
 void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t);
 
-// Bytes per element of parameters/gradients and of optimizer state.
-int64_t element_bytes(const std::string& precision) {
-  return precision == "bf16" ? 2 : 4;
-}
-
-// `trainmem estimate`'s figures, shared with audit's memory pre-flight.
-struct Estimate {
-  int64_t params = 0;
-  std::vector<std::pair<std::string, int64_t>> buckets;
-  int64_t static_bytes = 0;
-  TransformerOptions micro;
-  int64_t first_order = 0;  // 64 T B d per layer (fp32), halved for 2-byte precisions
-  bool exact = false;       // fp32: the term-by-term count
-  ActivationEstimate terms;
-  int64_t activation_bytes = 0;
+// The bundled transformer of the flags built on meta (in bf16 for --precision
+// bf16), the optimizer the trainer makes, and the loss of one micro-batch of
+// `batch` / --accumulate sequences, its input made on meta: what `trainmem
+// estimate` and audit's memory pre-flight hand to estimate().
+struct MetaStep {
+  Transformer model{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::function<at::Tensor()> loss;
 };
 
-Estimate estimate(const AuditFlags& f) {
-  Estimate e;
-  const auto mo = model_options(f.model);
-  e.params = transformer_num_params(mo);
-  const int64_t eb = element_bytes(f.precision);
-  // LibTorch's optimizers keep state in the parameters' dtype.
-  const int64_t state_per_param = f.optimizer == "sgd" ? 1 : 2;
-  e.buckets = {{"parameters", e.params * eb}, {"gradients", e.params * eb},
-               {"optimizer state", e.params * eb * state_per_param}};
-  for (const auto& b : e.buckets) {
-    e.static_bytes += b.second;
+MetaStep meta_step(const AuditFlags& f, int64_t batch) {
+  MetaStep s;
+  {
+    MetaInitGuard guard;
+    s.model = Transformer(model_options(f.model));
   }
-  e.micro = TransformerOptions(mo).batch(mo.batch() / f.accumulate);
-  e.exact = f.precision == "fp32";
-  const int64_t first_order = predicted_activation_bytes(e.micro);
-  e.first_order = e.exact ? first_order : first_order / 2;
-  e.terms = estimate_activation_bytes(e.micro);
-  e.activation_bytes = e.exact ? e.terms.total_bytes : first_order / 2;
-  return e;
+  const bool pure = f.precision == "bf16";
+  if (pure) {
+    s.model->to(at::kBFloat16);
+  }
+  s.optimizer = detail::make_optimizer(f.optimizer, s.model->parameters(), f.lr);
+  // The loss in fp32, as the trainer computes it (a no-op cast in fp32).
+  s.loss = [model = s.model.ptr(), shape = std::vector<int64_t>{batch / f.accumulate, f.model.seq_len, f.model.d_model},
+            dtype = pure ? at::kBFloat16 : at::kFloat] {
+    const auto x = at::empty(shape, at::TensorOptions().device(at::kMeta).dtype(dtype));
+    return model->forward(x).to(at::kFloat).pow(2).mean();
+  };
+  return s;
+}
+
+// estimate() of the bundled transformer's step at `batch` (--accumulate
+// micro-batches); `step` false: its static buckets and saved bytes only.
+Estimate estimate_of(const AuditFlags& f, int64_t batch, bool step, const CudaPredictOptions* cuda) {
+  MetaStep s = meta_step(f, batch);
+  auto options = EstimateOptions().precision(parse_precision(f.precision)).accumulation(f.accumulate).step(step);
+  if (cuda != nullptr) {
+    options.cuda(*cuda);
+  }
+  return estimate(*s.model, s.loss, *s.optimizer, options);
 }
 
 // Note [Memory pre-flight]
 // An audit that cannot fit is killed by the kernel (exit 137, no message),
 // after minutes. Before building the model, audit compares its own estimate
 // with the memory this process may still use (MemAvailable, cgroup limit)
-// and refuses with both figures unless --force. Without checkpointing the
-// estimate is static + activations (the step's peak is within a few percent
-// of it); with checkpointing only one block's activations are counted, a
-// figure below the peak, so a run that fits is never refused.
+// and refuses with both figures unless --force. The estimate is estimate()'s
+// static total and saved bytes, without its step prediction (one forward on
+// meta, quick for any size): without checkpointing static + activations (the
+// step's peak is within a few percent of it); with checkpointing only one
+// block's activations are counted, a figure below the peak, so a run that
+// fits is never refused.
 // With --nproc every rank is a process of its own on this host: each holds
 // the static bytes, its shard's activations and (without
 // --gradient-as-bucket-view) DDP's copy of the gradients, so the need is
@@ -149,19 +150,19 @@ void check_memory_fits(const AuditFlags& f) {
   AuditFlags shard = f;
   const int64_t ranks = f.nproc > 1 && f.model.batch % f.nproc == 0 ? f.nproc : 1;
   shard.model.batch = f.model.batch / ranks;
-  const Estimate e = estimate(shard);
+  const Estimate e = estimate_of(shard, shard.model.batch, /*step=*/false, nullptr);
+  const int64_t static_bytes = e.buckets.predicted_total_bytes();
   const bool whole = f.checkpoint == "none";
-  const int64_t buckets = ranks > 1 && !f.gradient_as_bucket_view ? e.buckets[1].second : 0;  // a gradient copy
-  const int64_t per_rank =
-      e.static_bytes + buckets + (whole ? e.activation_bytes : e.activation_bytes / f.model.layers);
+  const int64_t buckets = ranks > 1 && !f.gradient_as_bucket_view ? e.buckets.predicted_grad_bytes : 0;  // a copy
+  const int64_t per_rank = static_bytes + buckets + (whole ? e.saved_bytes : e.saved_bytes / f.model.layers);
   const int64_t need = ranks * per_rank;
   if (need > *available) {
     throw CheckFailed(fmt::format(
         "not enough memory: this audit needs about {} B ({}: {}{} static{} + {} of activations{}{}), but only {} B "
         "({}) is available; shrink the model or batch, use --checkpoint, or pass --force to run anyway",
         with_commas(need), human_bytes(need), ranks > 1 ? fmt::format("{} ranks x (", ranks) : "",
-        with_commas(e.static_bytes), buckets > 0 ? fmt::format(" + {} DDP buckets", with_commas(buckets)) : "",
-        with_commas(per_rank - e.static_bytes - buckets), whole ? "" : ", one block's",
+        with_commas(static_bytes), buckets > 0 ? fmt::format(" + {} DDP buckets", with_commas(buckets)) : "",
+        with_commas(per_rank - static_bytes - buckets), whole ? "" : ", one block's",
         ranks > 1 ? ")" : "", with_commas(*available), human_bytes(*available)));
   }
 }
@@ -182,6 +183,8 @@ void run_audit(const AuditFlags& f) {
   check_device(f.device);
   TrainerOptions o;
   o.model(model_options(f.model))
+      .batch(f.model.batch)
+      .seq_len(f.model.seq_len)
       .optimizer(f.optimizer)
       .lr(f.lr)
       .precision(parse_precision(f.precision))
@@ -316,8 +319,6 @@ void run_audit_distributed(const AuditFlags& f, const TrainerOptions& t) {
 #endif
 }
 
-// estimate --device cuda: the step (forward, loss, backward, optimizer step)
-// run on meta and replayed through the caching-allocator model.
 // estimate --device cuda: the flags checked, the allocator settings parsed.
 CudaPredictOptions cuda_predict_options(const AuditFlags& f) {
   std::optional<c10::Device> device;
@@ -338,66 +339,108 @@ CudaPredictOptions cuda_predict_options(const AuditFlags& f) {
                                                                       : std::nullopt);
 }
 
-// estimate --device cuda: the step (forward, loss, backward, optimizer step)
-// run on meta and replayed through the caching-allocator model.
-// In bf16-autocast and bf16 it is the step `trainmem audit --device cuda`
-// runs: the forward under CUDA autocast (its casts on meta: Note [Autocast on
-// meta] in docs/design.md) or the model and batch in bf16, then the loss in
-// fp32.
-CudaStepPrediction estimate_cuda(const AuditFlags& f, const TransformerOptions& mo, const CudaPredictOptions& options) {
-  const auto plan = BlockCheckpointing::named(mo.num_layers(), "none");
-  if (f.precision == "fp16-autocast") {
-    // The audited step with its GradScaler (trainer.cpp), as a step function
-    // (Note [fp16 autocast as a step function]).
-    Transformer meta{nullptr};
-    {
-      MetaInitGuard guard;
-      meta = Transformer(mo);
+// estimate --json: the estimate document (docs/report.md).
+nlohmann::ordered_json estimate_json(const AuditFlags& f, const Estimate& e, const CudaPredictOptions* cuda,
+                                     const std::optional<ActivationEstimate>& terms, int64_t first_order) {
+  const auto& b = e.buckets;
+  nlohmann::ordered_json j;
+  j["schema"] = "trainmem/1";
+  j["kind"] = "estimate";
+  j["config"] = {{"layers", f.model.layers}, {"d_model", f.model.d_model}, {"heads", f.model.heads},
+                 {"batch", f.model.batch}, {"seq_len", f.model.seq_len}, {"optimizer", f.optimizer},
+                 {"precision", f.precision}, {"accumulation", f.accumulate}};
+  j["num_params"] = b.num_params;
+  j["buckets"].push_back({{"name", "parameters"}, {"bytes", b.param_bytes}});
+  if (b.buffer_bytes > 0) {
+    j["buckets"].push_back({{"name", "buffers"}, {"bytes", b.buffer_bytes}});
+  }
+  j["buckets"].push_back({{"name", "gradients"}, {"bytes", b.predicted_grad_bytes}});
+  j["buckets"].push_back({{"name", "optimizer state"}, {"bytes", b.predicted_optimizer_state_bytes}});
+  j["static_bytes"] = b.predicted_total_bytes();
+  if (terms) {
+    j["first_order_activation_bytes"] = first_order;
+  }
+  j["activation_bytes"] = e.saved_bytes;
+  j["activation_bytes_exact"] = true;
+  if (terms) {
+    for (const auto& t : terms->terms) {
+      j["activation_terms"].push_back({{"name", t.name}, {"bytes", t.bytes}});
     }
-    torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
-    GradScaler scaler;
-    return predict_cuda_step_function(
-        {meta.get()}, {&opt},
-        [&] {
-          opt.zero_grad();
-          const at::Tensor loss = [&] {  // the batch and the output die with the loss function, as in the audit
-            const auto x = at::empty({mo.batch(), mo.seq_len(), mo.d_model()}, at::TensorOptions().device(at::kMeta));
-            return run_under_autocast(at::kCUDA, at::kHalf, [&] { return meta->forward(x, plan); })
-                .to(at::kFloat)
-                .pow(2)
-                .mean();
-          }();
-          scaler.scale(loss).backward();
-          scaler.step(opt);
-          scaler.update();
-        },
-        options);
   }
-  if (f.precision == "fp32") {
-    return predict_cuda_transformer_step(mo, plan, /*adamw=*/true, options);
+  j["step_peak"] = step_peak_json(e.step_peak, e.step_phases_split, b.optimizer);
+  j["step_peak"]["exact_on_meta"] = true;
+  if (e.cuda) {
+    j["cuda"] = {{"max_memory_allocated_bytes", e.cuda->max_memory_allocated_bytes},
+                 {"max_memory_reserved_bytes", e.cuda->max_memory_reserved_bytes},
+                 {"peak_phase", phase_name(e.cuda->phase)},
+                 {"workspace_bytes", e.cuda->terms.workspace_bytes},
+                 {"kernel_temporary_bytes", e.cuda->terms.kernel_temporary_bytes},
+                 {"rounding_bytes", e.cuda->terms.rounding_bytes},
+                 {"alloc_conf", f.alloc_conf},
+                 {"gpu", cuda->gpu_name()},
+                 {"compute_capability", cuda->compute_capability()},
+                 {"flash_attention_calls", e.cuda->flash_attention_calls},
+                 {"efficient_attention_calls", e.cuda->efficient_attention_calls},
+                 {"cublas_workspace_bytes", cuda->cublas_workspace_bytes()},
+                 {"cublaslt_workspace_bytes", cuda->cublaslt_workspace_bytes()}};
   }
-  const bool pure = f.precision == "bf16";
-  Transformer meta{nullptr};
-  {
-    MetaInitGuard guard;
-    meta = Transformer(mo);
-  }
-  if (pure) {
-    meta->to(at::kBFloat16);
-  }
-  torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
-  return predict_cuda_step_peak(
-      *meta,
-      [&] {
-        const auto x = at::empty({mo.batch(), mo.seq_len(), mo.d_model()},
-                                 at::TensorOptions().device(at::kMeta).dtype(pure ? at::kBFloat16 : at::kFloat));
-        const at::Tensor y = pure ? meta->forward(x, plan)
-                                  : run_under_autocast(at::kCUDA, at::kBFloat16, [&] { return meta->forward(x, plan); });
-        return y.to(at::kFloat).pow(2).mean();
-      },
-      &opt, options);
+  j["assumptions"] = e.assumptions;
+  return j;
 }
 
+// estimate: the text the command prints.
+std::string estimate_text(const AuditFlags& f, const Estimate& e, const CudaPredictOptions* cuda,
+                          const std::optional<ActivationEstimate>& terms, int64_t first_order) {
+  const auto& b = e.buckets;
+  const auto& peak = e.step_peak;
+  std::string out = fmt::format(
+      "trainmem estimate: {} layers, d_model {}, {} heads, batch {} x {} tokens, {}, {} (built on meta, nothing is "
+      "run)\n",
+      f.model.layers, f.model.d_model, f.model.heads, f.model.batch, f.model.seq_len, f.optimizer, f.precision);
+  out += fmt::format("parameters {:>30}  = L (12 d^2 + 13 d)\n", with_commas(b.num_params));
+  const auto bucket = [&](const char* name, int64_t bytes) {
+    out += fmt::format("  {:<24} {:>16} B  {:>10}\n", name, with_commas(bytes), human_bytes(bytes));
+  };
+  bucket("parameters", b.param_bytes);
+  if (b.buffer_bytes > 0) {
+    bucket("buffers", b.buffer_bytes);
+  }
+  bucket("gradients", b.predicted_grad_bytes);
+  bucket("optimizer state", b.predicted_optimizer_state_bytes);
+  bucket("static total", b.predicted_total_bytes());
+  out += fmt::format("activations of one micro-batch (batch {}), no checkpointing\n", f.model.batch / f.accumulate);
+  if (terms) {
+    for (const auto& t : terms->terms) {
+      out += fmt::format("  {:<40} {:>16} B\n", t.name, with_commas(t.bytes));
+    }
+    out += fmt::format("  {:<40} {:>16} B  (exact on meta; first-order 64 T B d per layer: {} B)\n",
+                       "saved for backward", with_commas(e.saved_bytes), with_commas(first_order));
+  } else {
+    out += fmt::format("  {:<40} {:>16} B  (exact on meta)\n", "saved for backward", with_commas(e.saved_bytes));
+  }
+  out += fmt::format("step peak {:>35} B  {:>10}  ", with_commas(peak.peak_bytes), human_bytes(peak.peak_bytes));
+  out += e.step_phases_split
+      ? fmt::format("in the {} (forward {} B, backward {} B, optimizer step {} B)", to_string(peak.phase),
+                    with_commas(peak.forward_peak_bytes), with_commas(peak.backward_peak_bytes),
+                    with_commas(peak.optimizer_peak_bytes))
+      : std::string("(the step as a function: phases not split)");
+  out += "; exact on meta: the CPU's allocator holds the same\n";
+  if (e.cuda) {
+    out += fmt::format("on {} ({}; a meta run replayed through the CUDA caching-allocator model, {}, {}, no "
+                       "checkpointing):\n",
+                       f.device, gpu_words(*cuda), f.precision,
+                       f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
+    out += to_string(*e.cuda);
+  }
+  out += "assumed:\n";
+  for (const auto& a : e.assumptions) {
+    out += "  " + a + "\n";
+  }
+  return out;
+}
+
+// `trainmem estimate`: estimate() of the bundled transformer's step, and in
+// fp32 the exact count's terms (estimate_activation_bytes) beside it.
 void run_estimate(const AuditFlags& f) {
   refuse_master_weights(f, "estimate (without --model)");
   check_model_flags(f.model);
@@ -405,89 +448,23 @@ void run_estimate(const AuditFlags& f) {
     throw UsageError(fmt::format("expected --batch {} to split into --accumulate {} equal micro-batches",
                                  f.model.batch, f.accumulate));
   }
-  const Estimate e = estimate(f);
-  const auto& micro = e.micro;
-  const int64_t activations = e.activation_bytes;
-  // static + activations is not a bound: transients lift the peak above it,
-  // and gradients that replace freed activations in backward keep it below
-  // (the capstone's measured step peak is 3.4 % under it).
-  const int64_t step_peak = e.static_bytes + activations;
-  std::optional<CudaStepPrediction> cuda;
-  std::optional<CudaPredictOptions> cuda_opts;
+  std::optional<CudaPredictOptions> cuda;
   if (f.device != "cpu") {
-    cuda_opts = cuda_predict_options(f);
-    cuda = estimate_cuda(f, model_options(f.model), *cuda_opts);
+    cuda = cuda_predict_options(f);
+  }
+  const Estimate e = estimate_of(f, f.model.batch, /*step=*/true, cuda ? &*cuda : nullptr);
+  std::optional<ActivationEstimate> terms;
+  int64_t first_order = 0;
+  if (f.precision == "fp32") {
+    const auto mo = model_options(f.model);
+    terms = estimate_activation_bytes(mo, f.model.batch / f.accumulate, f.model.seq_len);
+    first_order = predicted_activation_bytes(mo, f.model.batch / f.accumulate, f.model.seq_len);
   }
   if (f.json) {
-    nlohmann::ordered_json j;
-    j["schema"] = "trainmem/1";
-    j["kind"] = "estimate";
-    j["config"] = {{"layers", f.model.layers}, {"d_model", f.model.d_model}, {"heads", f.model.heads},
-                   {"batch", f.model.batch}, {"seq_len", f.model.seq_len}, {"optimizer", f.optimizer},
-                   {"precision", f.precision}, {"accumulation", f.accumulate}};
-    j["num_params"] = e.params;
-    for (const auto& [name, bytes] : e.buckets) {
-      j["buckets"].push_back({{"name", name}, {"bytes", bytes}});
-    }
-    j["static_bytes"] = e.static_bytes;
-    j["first_order_activation_bytes"] = e.first_order;
-    j["activation_bytes"] = activations;
-    j["activation_bytes_exact"] = e.exact;
-    if (e.exact) {
-      for (const auto& t : e.terms.terms) {
-        j["activation_terms"].push_back({{"name", t.name}, {"bytes", t.bytes}});
-      }
-    }
-    j["estimated_peak_bytes"] = step_peak;
-    if (cuda) {
-      j["cuda"] = {{"max_memory_allocated_bytes", cuda->max_memory_allocated_bytes},
-                   {"max_memory_reserved_bytes", cuda->max_memory_reserved_bytes},
-                   {"peak_phase", phase_name(cuda->phase)},
-                   {"workspace_bytes", cuda->terms.workspace_bytes},
-                   {"kernel_temporary_bytes", cuda->terms.kernel_temporary_bytes},
-                   {"rounding_bytes", cuda->terms.rounding_bytes},
-                   {"alloc_conf", f.alloc_conf},
-                   {"gpu", cuda_opts->gpu_name()},
-                   {"compute_capability", cuda_opts->compute_capability()},
-                   {"flash_attention_calls", cuda->flash_attention_calls},
-                   {"efficient_attention_calls", cuda->efficient_attention_calls},
-                   {"cublas_workspace_bytes", cuda_opts->cublas_workspace_bytes()},
-                   {"cublaslt_workspace_bytes", cuda_opts->cublaslt_workspace_bytes()}};
-    }
-    std::cout << j.dump(2) << "\n";
+    std::cout << estimate_json(f, e, cuda ? &*cuda : nullptr, terms, first_order).dump(2) << "\n";
     return;
   }
-  std::string out = fmt::format(
-      "trainmem estimate: {} layers, d_model {}, {} heads, batch {} x {} tokens, {}, {} (nothing is run)\n",
-      f.model.layers, f.model.d_model, f.model.heads, f.model.batch, f.model.seq_len, f.optimizer, f.precision);
-  out += fmt::format("parameters {:>30}  = L (12 d^2 + 13 d)\n", with_commas(e.params));
-  for (const auto& [name, bytes] : e.buckets) {
-    out += fmt::format("  {:<24} {:>16} B  {:>10}\n", name, with_commas(bytes), human_bytes(bytes));
-  }
-  out += fmt::format("  {:<24} {:>16} B  {:>10}\n", "static total", with_commas(e.static_bytes),
-                     human_bytes(e.static_bytes));
-  out += fmt::format("activations of one micro-batch (batch {}), no checkpointing\n", micro.batch());
-  if (e.exact) {
-    for (const auto& t : e.terms.terms) {
-      out += fmt::format("  {:<40} {:>16} B\n", t.name, with_commas(t.bytes));
-    }
-    out += fmt::format("  {:<40} {:>16} B  (first-order 64 T B d per layer: {} B)\n", "saved for backward",
-                       with_commas(activations), with_commas(e.first_order));
-  } else {
-    out += fmt::format("  {:<40} {:>16} B  (first-order, 2-byte elements; run `trainmem audit` for exact bytes)\n",
-                       "saved for backward", with_commas(activations));
-  }
-  out += fmt::format("estimated step peak {:>25} B  {:>10}  (static + activations; not a bound: transients add, "
-                     "gradients replacing freed activations subtract)\n",
-                     with_commas(step_peak), human_bytes(step_peak));
-  if (cuda) {
-    out += fmt::format("on {} ({}; a meta run replayed through the CUDA caching-allocator model, {}, {}, no "
-                       "checkpointing):\n",
-                       f.device, gpu_words(*cuda_opts), f.precision,
-                       f.alloc_conf.empty() ? "default allocator settings" : f.alloc_conf);
-    out += to_string(*cuda);
-  }
-  std::cout << out;
+  std::cout << estimate_text(f, e, cuda ? &*cuda : nullptr, terms, first_order);
 }
 
 // A trainmem/1 report of a long audit is a few MiB; 256 MiB is far beyond

@@ -152,6 +152,19 @@ ModelEstimateOptions model_options(int64_t batch, int64_t seq_len, const std::st
   return o;
 }
 
+nlohmann::ordered_json step_peak_json(const StepPeak& peak, bool phases_split, const std::string& optimizer) {
+  return {{"optimizer", optimizer},
+          {"peak_bytes", peak.peak_bytes},
+          {"phase", to_string(peak.phase)},
+          {"param_bytes", peak.param_bytes},
+          {"optimizer_state_bytes", peak.optimizer_state_bytes},
+          {"activation_bytes", peak.activation_bytes},
+          {"forward_peak_bytes", peak.forward_peak_bytes},
+          {"backward_peak_bytes", peak.backward_peak_bytes},
+          {"optimizer_peak_bytes", peak.optimizer_peak_bytes},
+          {"phases_split", phases_split}};
+}
+
 namespace {
 
 // estimate --model --json: the estimate_model document (docs/cli.md).
@@ -198,16 +211,7 @@ nlohmann::ordered_json estimate_model_json(const ModelFileFlags& f, const HfConf
     j["lora"] = nullptr;
   }
   j["activation_bytes"] = e.saved_bytes;
-  j["step_peak"] = {{"optimizer", "AdamW"},
-                    {"peak_bytes", peak.peak_bytes},
-                    {"phase", to_string(peak.phase)},
-                    {"param_bytes", peak.param_bytes},
-                    {"optimizer_state_bytes", peak.optimizer_state_bytes},
-                    {"activation_bytes", peak.activation_bytes},
-                    {"forward_peak_bytes", peak.forward_peak_bytes},
-                    {"backward_peak_bytes", peak.backward_peak_bytes},
-                    {"optimizer_peak_bytes", peak.optimizer_peak_bytes},
-                    {"phases_split", e.step_phases_split}};
+  j["step_peak"] = step_peak_json(peak, e.step_phases_split, "AdamW");
   if (e.cuda) {
     j["cuda"] = {{"device", device},
                  {"gpu", e.options.cuda()->gpu_name()},

@@ -72,5 +72,8 @@ nlohmann::ordered_json cuda_plan_json(const CudaCheckpointPlan& r);
 // `trainmem plan --json` and `trainmem plan --model FILE --json`.
 nlohmann::ordered_json plan_json(const CheckpointPlan& plan);
 void check_cuda_plan_fits(const CudaCheckpointPlan& r);
+// A step peak as the estimate documents hold it (`step_peak` of `trainmem
+// estimate --json` and `trainmem estimate --model FILE --json`).
+nlohmann::ordered_json step_peak_json(const StepPeak& peak, bool phases_split, const std::string& optimizer);
 
 } // namespace trainmem::cli

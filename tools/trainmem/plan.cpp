@@ -52,7 +52,7 @@ struct Measured {
   double step_ms = 0; // wall time of the measured CPU step (not asserted anywhere)
 };
 
-Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
+Measured run_plan(const TransformerOptions& o, int64_t batch, int64_t seq_len, const CheckpointPlan& plan) {
   Measured m;
   const auto checkpointing = plan.checkpointing();
   {
@@ -63,7 +63,7 @@ Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
     }
     torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
     m.meta = predict_step_peak(*meta, [&] {
-      return meta->forward(at::empty({o.batch(), o.seq_len(), o.d_model()}, at::kMeta), checkpointing)
+      return meta->forward(at::empty({batch, seq_len, o.d_model()}, at::kMeta), checkpointing)
           .pow(2)
           .mean();
     }, &opt);
@@ -73,7 +73,7 @@ Measured run_plan(const TransformerOptions& o, const CheckpointPlan& plan) {
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
   const auto t0 = std::chrono::steady_clock::now();
   m.cpu = measure_step_peak(*model, [&] {
-    return model->forward(torch::randn({o.batch(), o.seq_len(), o.d_model()}), checkpointing).pow(2).mean();
+    return model->forward(torch::randn({batch, seq_len, o.d_model()}), checkpointing).pow(2).mean();
   }, &opt);
   m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 2;
   return m;
@@ -100,7 +100,7 @@ CudaBudgetKind cuda_budget_kind(const PlanFlags& f) {
 void run_cuda(const PlanFlags& f, const TransformerOptions& o, const PlanOptions& options, const std::string& unit) {
   const auto kind = cuda_budget_kind(f);
   const auto cuda = cuda_options("", f.gpu, std::nullopt);
-  const auto r = plan_checkpointing_cuda(o, options, kind, cuda);
+  const auto r = plan_checkpointing_cuda(o, f.model.batch, f.model.seq_len, options, kind, cuda);
   if (f.json) {
     nlohmann::ordered_json doc = {
         {"schema", "trainmem/1"},
@@ -168,7 +168,7 @@ void print_plan(const PlanFlags& f, const TransformerOptions& o, const Checkpoin
         {"schema", "trainmem/1"},
         {"command", "plan"},
         {"model", {{"num_layers", o.num_layers()}, {"d_model", o.d_model()}, {"num_heads", o.num_heads()},
-                   {"batch", o.batch()}, {"seq_len", o.seq_len()}}},
+                   {"batch", f.model.batch}, {"seq_len", f.model.seq_len}}},
         {"plan", plan_json(plan)},
         {"cost_unit", unit},
     };
@@ -184,7 +184,7 @@ void print_plan(const PlanFlags& f, const TransformerOptions& o, const Checkpoin
   }
   std::cout << fmt::format(
       "trainmem plan: {} pre-LN blocks, d_model {}, {} heads, input ({}, {}, {}), fp32, AdamW\n\n",
-      o.num_layers(), o.d_model(), o.num_heads(), o.batch(), o.seq_len(), o.d_model());
+      o.num_layers(), o.d_model(), o.num_heads(), f.model.batch, f.model.seq_len, o.d_model());
   std::cout << to_string(plan);
   if (measured) {
     const auto& c = measured->cpu;
@@ -222,14 +222,12 @@ void run(const PlanFlags& f) {
   const auto o = TransformerOptions()
                      .num_layers(f.model.layers)
                      .d_model(f.model.d_model)
-                     .num_heads(f.model.heads)
-                     .batch(f.model.batch)
-                     .seq_len(f.model.seq_len);
+                     .num_heads(f.model.heads);
   auto plan_options = PlanOptions().budget_bytes(budget).selective(!f.no_selective);
   if (f.cost == "time") {
     torch::manual_seed(0);
     Transformer model(o);
-    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+    auto x = torch::randn({f.model.batch, f.model.seq_len, o.d_model()});
     if (show_progress()) {  // seconds of work: say so on a terminal, nowhere else
       std::cerr << "trainmem: timing each op on CPU (3 forward passes)..." << std::endl;
     }
@@ -242,13 +240,13 @@ void run(const PlanFlags& f) {
     run_cuda(f, o, plan_options, unit);
     return;
   }
-  const auto plan = plan_checkpointing(o, plan_options);
+  const auto plan = plan_checkpointing(o, f.model.batch, f.model.seq_len, plan_options);
   std::optional<Measured> measured;
   if (plan.feasible && !f.no_run) {
     if (show_progress()) {
       std::cerr << "trainmem: running the plan (a warm-up step and a measured step)..." << std::endl;
     }
-    measured = run_plan(o, plan);
+    measured = run_plan(o, f.model.batch, f.model.seq_len, plan);
   }
   print_plan(f, o, plan, unit, measured, budget);
   if (!plan.feasible) {

@@ -1,13 +1,16 @@
 #pragma once
 /// \file estimate.h
-/// One call for "will it fit": estimate_model() builds a config-file model
-/// (hf_model.h) on meta, with the precision, checkpointing, LoRA and data
-/// parallelism asked for, and predicts one AdamW training step of it: the
-/// static bytes of every recipe (sharded as asked), the bytes autograd saves,
-/// the step's peak on the CPU's kernels and, with CUDA options, the step's
-/// max_memory_allocated and max_memory_reserved through the caching-allocator
-/// model. Nothing is allocated and nothing is run; `trainmem estimate
-/// --model` prints what it returns.
+/// One call for "will it fit". estimate() predicts one training step of any
+/// module built on meta (its loss and optimizer given): the static buckets,
+/// the bytes autograd saves, the step's exact peak on the CPU's kernels and,
+/// with CUDA options, the step's max_memory_allocated and
+/// max_memory_reserved through the caching-allocator model; `trainmem
+/// estimate` prints what it returns for the bundled transformer.
+/// estimate_model() builds a config-file model (hf_model.h) on meta, with the
+/// precision, checkpointing, LoRA and data parallelism asked for, and
+/// predicts one AdamW training step of it the same way, with the static
+/// bytes of every recipe (sharded as asked); `trainmem estimate --model`
+/// prints what it returns. Nothing is allocated and nothing is run.
 ///
 /// Example:
 /// ```
@@ -65,6 +68,81 @@ TRAINMEM_API Precision parse_precision(const std::string& name);
 /// in docs/design.md).
 TRAINMEM_API at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype,
                                            const std::function<at::Tensor()>& fn);
+
+/// What estimate() predicts beside the module, its loss and its optimizer.
+struct EstimateOptions {
+  /// How the step runs. kFp32 and kBf16 run `loss_fn` as it is (a bf16 model
+  /// is the caller's to cast); kBf16Autocast and kFp16Autocast run it under
+  /// LibTorch's autocast (run_under_autocast: the CPU's policy for the CPU
+  /// figures, CUDA's for the CUDA ones), kFp16Autocast with trainmem's
+  /// GradScaler, its step taken (Note [fp16 autocast as a step function]).
+  /// kBf16Master needs fp32 master weights: estimate_model() predicts it.
+  TORCH_ARG(Precision, precision) = Precision::kFp32;
+  /// Micro-batches per step: `loss_fn` runs this many times, each loss
+  /// divided by it before its backward, then one optimizer step. Above 1 the
+  /// step is predicted as a function (step_phases_split false).
+  TORCH_ARG(int64_t, accumulation) = 1;
+  /// Predict the step's peak. false: the static buckets and saved bytes
+  /// only (one forward on meta), for a quick check before a long run.
+  TORCH_ARG(bool, step) = true;
+  /// Also predict the step on CUDA with these options (allocator settings,
+  /// cuBLAS workspace, SDPA backend).
+  TORCH_ARG(std::optional<CudaPredictOptions>, cuda) = std::nullopt;
+};
+
+/// What estimate() returns. Plain data; bytes unless named otherwise.
+struct Estimate {
+  EstimateOptions options;
+  /// account(module, optimizer): the parameters and buffers, and the
+  /// gradients and optimizer state the step will hold
+  /// (predicted_grad_bytes, predicted_optimizer_state_bytes;
+  /// predicted_total_bytes() is the static total).
+  StaticBuckets buckets;
+  /// Bytes autograd saves for backward in one forward of `loss_fn` (one
+  /// micro-batch), each storage once, parameters excluded
+  /// (predict_saved_activations(), under the precision's autocast).
+  int64_t saved_bytes = 0;
+  /// The step on meta with the CPU's kernels, the second of two (the
+  /// optimizer's state made in the first): exact against the same step run
+  /// on the CPU (measure_step_peak(), measure_step_function()).
+  /// predict_step_peak(), or predict_step_function() for fp16 autocast and
+  /// accumulation, whose phases are not split (step_phases_split false, the
+  /// phase peaks 0). All 0 when options.step() is false.
+  StepPeak step_peak;
+  bool step_phases_split = true;
+  /// The same step on CUDA, when options.cuda was given.
+  std::optional<CudaStepPrediction> cuda;
+  /// One line per assumption the figures make: the module and its step,
+  /// precision (and which autocast policy), accumulation, optimizer, the
+  /// CUDA settings.
+  std::vector<std::string> assumptions;
+};
+
+/// Predicts one training step of `module`, whose parameters are on meta
+/// (built under a MetaInitGuard, or to_meta()): gradients to none,
+/// `loss_fn()` (which makes its batch on meta and returns a scalar),
+/// backward, `optimizer`'s step, as `options` asks. `optimizer` steps
+/// `module`'s parameters (or some of them); its state, the module's
+/// gradients and buffers are as they were afterwards (Note [Predictions
+/// leave no trace]). Throws c10::Error naming the value for kBf16Master, an
+/// accumulation below 1, or a parameter not on meta.
+///
+/// Example:
+/// ```
+/// trainmem::Transformer meta{nullptr};
+/// {
+///   trainmem::MetaInitGuard guard;
+///   meta = trainmem::Transformer(trainmem::TransformerOptions());
+/// }
+/// torch::optim::AdamW opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
+/// auto e = trainmem::estimate(*meta, [&] {
+///   return meta->forward(at::empty({16, 64, 128}, at::kMeta)).pow(2).mean(); }, opt);
+/// e.buckets.predicted_total_bytes();  // 19,034,112: parameters, gradients, AdamW's moments
+/// e.saved_bytes;                      // 51,052,544
+/// e.step_peak.peak_bytes;             // 67,687,944: the CPU measures the same
+/// ```
+TRAINMEM_API Estimate estimate(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
+                               torch::optim::Optimizer& optimizer, const EstimateOptions& options = {});
 
 /// What estimate_model() predicts.
 struct ModelEstimateOptions {

@@ -34,13 +34,12 @@
 namespace trainmem {
 
 /// Shape of the reference transformer. Defaults: 6 blocks, d_model 128, 4
-/// heads, input (16, 64, 128).
+/// heads. The input's batch B and length T are the caller's: the functions
+/// below that count a step's bytes take them.
 struct TransformerOptions {
   TORCH_ARG(int64_t, num_layers) = 6; ///< blocks
   TORCH_ARG(int64_t, d_model) = 128;  ///< model width
   TORCH_ARG(int64_t, num_heads) = 4;  ///< attention heads (d_model % heads == 0)
-  TORCH_ARG(int64_t, batch) = 16;     ///< B of the demo's input
-  TORCH_ARG(int64_t, seq_len) = 64;   ///< T of the demo's input
 };
 
 /// One pre-LN block. forward: (B, T, d) -> (B, T, d).
@@ -78,10 +77,11 @@ TORCH_MODULE(Transformer);
 TRAINMEM_API int64_t transformer_num_params(const TransformerOptions& options);
 
 /// The first-order activation estimate for this block in fp32 with
-/// SDPA and no dropout: 16 saved elements per token and channel, i.e.
-/// 64 * T * B * d bytes per layer (Korthikanti et al.'s 34 in fp16 with
-/// dropout, less the masks and the attention term, at 4-byte elements).
-TRAINMEM_API int64_t predicted_activation_bytes(const TransformerOptions& options);
+/// SDPA and no dropout, for an input of `batch` sequences of `seq_len`
+/// tokens: 16 saved elements per token and channel, i.e. 64 * T * B * d
+/// bytes per layer (Korthikanti et al.'s 34 in fp16 with dropout, less the
+/// masks and the attention term, at 4-byte elements).
+TRAINMEM_API int64_t predicted_activation_bytes(const TransformerOptions& options, int64_t batch, int64_t seq_len);
 
 /// One term of the exact saved-activation count of the reference transformer.
 struct ActivationTerm {
@@ -90,7 +90,8 @@ struct ActivationTerm {
 };
 
 /// The exact bytes autograd saves for one forward of the reference transformer
-/// in fp32 with loss `out.pow(2).mean()`, no checkpointing: the first-order
+/// on a (batch, seq_len, d_model) input in fp32 with loss
+/// `out.pow(2).mean()`, no checkpointing: the first-order
 /// 64 * T * B * d per layer plus every byte the first-order estimate leaves
 /// out (LayerNorm's per-token mean and rstd, SDPA's per-row log-sum-exp, and
 /// the loss's input).
@@ -98,6 +99,7 @@ struct ActivationEstimate {
   std::vector<ActivationTerm> terms;
   int64_t total_bytes = 0; ///< sum of the terms, in bytes
 };
-TRAINMEM_API ActivationEstimate estimate_activation_bytes(const TransformerOptions& options);
+TRAINMEM_API ActivationEstimate estimate_activation_bytes(const TransformerOptions& options, int64_t batch,
+                                                          int64_t seq_len);
 
 } // namespace trainmem

@@ -7,8 +7,8 @@
 ///
 /// Example:
 /// ```
-/// trainmem::TransformerOptions o;                        // the capstone
-/// auto plan = trainmem::plan_checkpointing(o, trainmem::PlanOptions().budget_bytes(40 << 20));
+/// trainmem::TransformerOptions o;                        // the capstone's model
+/// auto plan = trainmem::plan_checkpointing(o, 16, 64, trainmem::PlanOptions().budget_bytes(40 << 20));
 /// std::cout << trainmem::to_string(plan);                // blocks, peak, recompute FLOPs
 /// auto y = model->forward(x, plan.checkpointing());
 /// ```
@@ -64,8 +64,8 @@ struct AnalyticActivations {
 };
 
 /// Per-layer saved activations of the reference block under `options`, over
-/// `model.num_layers()` layers, with s, b, h, a = seq_len, batch, d_model,
-/// num_heads: (16 e + 2 [masks]) s b h + a s^2 b (e [softmax] + 1 + e
+/// `model.num_layers()` layers, for an input of `batch` sequences of
+/// `seq_len` tokens, with s, b, h, a = seq_len, batch, d_model, num_heads: (16 e + 2 [masks]) s b h + a s^2 b (e [softmax] + 1 + e
 /// [dropout mask and output]) bytes, e the element size. Korthikanti et al.'s
 /// 34 s b h + 5 a s^2 b at e = 2 with dropout and eager attention; the
 /// first-order 64 s b h at e = 4, no dropout, fused attention (50,331,648 B for the
@@ -73,6 +73,8 @@ struct AnalyticActivations {
 /// LayerNorm's mean and rstd, fused attention's log-sum-exp, the loss.
 TRAINMEM_API AnalyticActivations analytic_activation_bytes(
     const TransformerOptions& model,
+    int64_t batch,
+    int64_t seq_len,
     const AnalyticActivationOptions& options = {});
 
 // ---------------------------------------------------------------------------
@@ -80,7 +82,8 @@ TRAINMEM_API AnalyticActivations analytic_activation_bytes(
 
 /// Chooses, per block, store / checkpoint / selective (which op outputs to
 /// cache) so the predicted peak of a training step of the reference
-/// Transformer (forward, loss out.pow(2).mean(), backward, AdamW step) fits
+/// Transformer on a (batch, seq_len, d_model) input (forward, loss
+/// out.pow(2).mean(), backward, AdamW step) fits
 /// `options.budget_bytes()` at the least recompute cost.
 ///
 /// Each block choice is profiled once on meta (its stored bytes, forward
@@ -98,21 +101,24 @@ TRAINMEM_API AnalyticActivations analytic_activation_bytes(
 /// `adamw`: the step includes an AdamW step (its state, 8 B per parameter,
 /// is live all step, and its transients count). plan_regions() over the
 /// model's blocks, each region named "block".
-TRAINMEM_API CheckpointPlan plan_checkpointing(const TransformerOptions& model, const PlanOptions& options = {},
-                                  bool adamw = true);
+TRAINMEM_API CheckpointPlan plan_checkpointing(const TransformerOptions& model, int64_t batch, int64_t seq_len,
+                                               const PlanOptions& options = {}, bool adamw = true);
 
-/// The reference Transformer's training step on CUDA (forward with
+/// The reference Transformer's training step on CUDA on a (batch, seq_len,
+/// d_model) input (forward with
 /// `checkpointing`, loss out.pow(2).mean(), backward, an AdamW step when
 /// `adamw`), predicted with predict_cuda_step_peak from a model built on meta.
 ///
 /// Example:
 /// ```
-/// auto p = trainmem::predict_cuda_transformer_step(trainmem::TransformerOptions(),
+/// auto p = trainmem::predict_cuda_transformer_step(trainmem::TransformerOptions(), 16, 64,
 ///                                                  trainmem::BlockCheckpointing::named(6, "full"));
 /// p.max_memory_allocated_bytes;
 /// ```
 TRAINMEM_API CudaStepPrediction predict_cuda_transformer_step(
     const TransformerOptions& model,
+    int64_t batch,
+    int64_t seq_len,
     const BlockCheckpointing& checkpointing,
     bool adamw = true,
     const CudaPredictOptions& options = {});
@@ -126,11 +132,13 @@ TRAINMEM_API CudaStepPrediction predict_cuda_transformer_step(
 ///
 /// Example:
 /// ```
-/// auto p = trainmem::plan_checkpointing_cuda(o, trainmem::PlanOptions().budget_bytes(64 << 20),
+/// auto p = trainmem::plan_checkpointing_cuda(o, 16, 64, trainmem::PlanOptions().budget_bytes(64 << 20),
 ///                                            trainmem::CudaBudgetKind::kReserved);
 /// ```
 TRAINMEM_API CudaCheckpointPlan plan_checkpointing_cuda(
     const TransformerOptions& model,
+    int64_t batch,
+    int64_t seq_len,
     const PlanOptions& options,
     CudaBudgetKind kind,
     const CudaPredictOptions& cuda = {},

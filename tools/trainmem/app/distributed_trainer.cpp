@@ -184,12 +184,11 @@ void set_static_prediction(DistributedAudit& audit, const DistributedTrainerOpti
 void publish_run(const DistributedTrainerOptions& o, DistributedReport& report, const std::vector<at::Tensor>& grads,
                  const std::vector<double>& losses, c10d::Store& store) {
   const auto& t = o.trainer();
-  const auto& mo = t.model();
   const int world = static_cast<int>(o.nproc());
-  const int64_t shard_batch = mo.batch() / world;
+  const int64_t shard_batch = t.batch() / world;
   const auto& dp = o.data_parallel();
   report.config = {{"nproc", std::to_string(world)},
-                   {"batch", std::to_string(mo.batch())},
+                   {"batch", std::to_string(t.batch())},
                    {"shard_batch", std::to_string(shard_batch)},
                    {"bucket_cap_bytes", std::to_string(dp.effective_bucket_cap_bytes())},
                    {"first_bucket_cap_bytes", std::to_string(dp.effective_first_bucket_cap_bytes())},
@@ -244,11 +243,11 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   // The global batch, made alike on every rank; each keeps its own shard
   // (a tensor of its own, as a distributed sampler's loader would give it).
   torch::manual_seed(t.seed() + 1);
-  const auto shard = at::randn({mo.batch(), mo.seq_len(), mo.d_model()})
+  const auto shard = at::randn({t.batch(), t.seq_len(), mo.d_model()})
                          .chunk(world)[static_cast<size_t>(rank)]
                          .to(device, dtype)
                          .clone();
-  const int64_t shard_batch = mo.batch() / world;
+  const int64_t shard_batch = t.batch() / world;
 
   auto optimizer = detail::make_optimizer(t.optimizer(), model->parameters(), t.lr());
   DataParallel ddp(*model, pg, o.data_parallel());
@@ -260,7 +259,7 @@ void run_rank(const DistributedTrainerOptions& o, int rank, const c10::intrusive
   a.set_config("checkpoint", t.checkpoint());
   a.set_config("rank", std::to_string(rank));
   if (t.precision() == Precision::kFp32 && t.checkpoint() == "none") {
-    a.set_predicted_activation_bytes(predicted_activation_bytes(TransformerOptions(mo).batch(shard_batch)));
+    a.set_predicted_activation_bytes(predicted_activation_bytes(mo, shard_batch, t.seq_len()));
   }
   if (t.precision() == Precision::kFp32) {
     set_static_prediction(audit, o, *model);
@@ -607,7 +606,7 @@ void check_distributed_trainer_options(const DistributedTrainerOptions& o) {
   // Checked as on cpu: check_trainer_options() asks CUDA about the device,
   // and a launcher that has touched CUDA cannot fork ranks that use it.
   check_trainer_options(TrainerOptions(t).device("cpu"));
-  TORCH_CHECK(t.model().batch() % o.nproc() == 0, "expected batch ", t.model().batch(), " to split into nproc ",
+  TORCH_CHECK(t.batch() % o.nproc() == 0, "expected batch ", t.batch(), " to split into nproc ",
               o.nproc(), " equal shards");
   TORCH_CHECK(!t.offload(), "offload is not supported with nproc > 1");
   TORCH_CHECK(!t.optimizer_in_backward(), "optimizer_in_backward is not supported with nproc > 1");

@@ -33,7 +33,7 @@ namespace trainmem {
 /// What `train_distributed()` runs.
 struct DistributedTrainerOptions {
   /// The model, optimizer, precision, steps, checkpointing and seed of each
-  /// rank; model().batch() is the global batch, split evenly across ranks.
+  /// rank; batch() is the global batch, split evenly across ranks.
   /// Offload, optimizer-in-backward and accumulation are not supported here.
   /// Device "cpu" (Gloo) or "cuda" (NCCL, one device per rank: rank r on
   /// cuda:r; needs nccl_available() and nproc CUDA devices).

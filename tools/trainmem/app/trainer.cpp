@@ -36,7 +36,7 @@ using detail::run_audited_step;
 at::Tensor make_batch(const TrainerOptions& o, c10::Device device) {
   const auto& mo = o.model();
   torch::manual_seed(o.seed() + 1);
-  return torch::randn({mo.batch(), mo.seq_len(), mo.d_model()}).to(device, detail::trainer_dtype(o));
+  return torch::randn({o.batch(), o.seq_len(), mo.d_model()}).to(device, detail::trainer_dtype(o));
 }
 
 // Micro-batches are tensors of their own, as a loader would give them (a
@@ -62,8 +62,8 @@ void check_trainer_options(const TrainerOptions& o) {
   TORCH_CHECK(m.num_heads() > 0, "expected heads > 0, but got ", m.num_heads());
   TORCH_CHECK(m.d_model() % m.num_heads() == 0, "expected d_model divisible by heads, but got d_model ",
               m.d_model(), " and heads ", m.num_heads());
-  TORCH_CHECK(m.batch() > 0, "expected batch > 0, but got ", m.batch());
-  TORCH_CHECK(m.seq_len() > 0, "expected seq_len > 0, but got ", m.seq_len());
+  TORCH_CHECK(o.batch() > 0, "expected batch > 0, but got ", o.batch());
+  TORCH_CHECK(o.seq_len() > 0, "expected seq_len > 0, but got ", o.seq_len());
   TORCH_CHECK(o.optimizer() == "adamw" || o.optimizer() == "adam" || o.optimizer() == "sgd",
               "expected optimizer adamw, adam or sgd, but got \"", o.optimizer(), "\"");
   TORCH_CHECK(o.lr() > 0, "expected lr > 0, but got ", o.lr());
@@ -71,7 +71,7 @@ void check_trainer_options(const TrainerOptions& o) {
   (void)BlockCheckpointing::named(m.num_layers(), o.checkpoint());  // throws naming a bad name
   TORCH_CHECK(o.accumulation() >= 1, "expected accumulation >= 1, but got ", o.accumulation());
   TORCH_CHECK(o.meter_every() >= 0, "expected meter_every >= 0 (0: the steps that differ), but got ", o.meter_every());
-  TORCH_CHECK(m.batch() % o.accumulation() == 0, "expected batch ", m.batch(),
+  TORCH_CHECK(o.batch() % o.accumulation() == 0, "expected batch ", o.batch(),
               " to split into accumulation ", o.accumulation(), " equal micro-batches");
   TORCH_CHECK(!(o.precision() == Precision::kFp16Autocast && o.optimizer_in_backward()),
               "precision fp16-autocast needs a GradScaler, which cannot unscale or skip the steps an "
@@ -123,7 +123,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
   if (in_backward) {
     audit.add_optimizer(*in_backward);
   }
-  detail::set_model_config(audit, o, mo.batch());
+  detail::set_model_config(audit, o, o.batch());
   audit.set_config("device", o.device());
   audit.set_config("steps", std::to_string(o.steps()));
   audit.set_config("checkpoint", o.checkpoint());
@@ -133,7 +133,7 @@ TrainingRun train(const TrainerOptions& o, const std::function<void(int64_t, int
   if (o.precision() == Precision::kFp32 && o.checkpoint() == "none") {
     // The first-order estimate (64 * T * B * d per layer) for one micro-batch.
     audit.set_predicted_activation_bytes(
-        predicted_activation_bytes(TransformerOptions(mo).batch(mo.batch() / k)));
+        predicted_activation_bytes(mo, o.batch() / k, o.seq_len()));
   }
   if (o.precision() == Precision::kBf16) {
     audit.add_note("pure bf16: LibTorch's optimizers keep their state in the parameters' dtype (bf16), "
@@ -212,7 +212,7 @@ void set_model_config(Audit& audit, const TrainerOptions& o, int64_t batch) {
   audit.set_config("d_model", std::to_string(mo.d_model()));
   audit.set_config("heads", std::to_string(mo.num_heads()));
   audit.set_config("batch", std::to_string(batch));
-  audit.set_config("seq_len", std::to_string(mo.seq_len()));
+  audit.set_config("seq_len", std::to_string(o.seq_len()));
   audit.set_config("optimizer", o.optimizer());
   audit.set_config("precision", precision_name(o.precision()));
 }

@@ -14,16 +14,19 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
+#include <torch/optim/optimizer.h>
 
 #include "trainmem/report.h"
 #include "trainmem/timeline.h"
 #include "trainmem/models/estimate.h"
 #include "trainmem/models/transformer.h"
+#include "app/variants.h"
 
 namespace trainmem {
 
@@ -32,6 +35,10 @@ namespace trainmem {
 /// blocks, d_model 128, 4 heads, input (16, 64, 128)) with AdamW.
 struct TrainerOptions {
   TORCH_ARG(TransformerOptions, model) = {};
+  /// B of the input (batch, seq_len, d_model): sequences per step (a
+  /// data-parallel run's global batch, split evenly across ranks).
+  TORCH_ARG(int64_t, batch) = kCapstoneBatch;
+  TORCH_ARG(int64_t, seq_len) = kCapstoneSeqLen;  ///< T of the input: tokens per sequence
   /// "adamw", "adam" or "sgd" (momentum 0.9).
   TORCH_ARG(std::string, optimizer) = "adamw";
   TORCH_ARG(double, lr) = 1e-3;
@@ -98,6 +105,11 @@ Transformer make_trainer_model(const TrainerOptions& options, c10::Device device
 /// heads, batch (`batch`: a rank gives its shard's), seq_len, optimizer,
 /// precision.
 void set_model_config(Audit& audit, const TrainerOptions& options, int64_t batch);
+/// The trainers' optimizers by name: "adamw", "adam", else SGD with momentum
+/// 0.9 (train(), each data-parallel rank, and `trainmem estimate`'s step on
+/// meta).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
+                                                        double lr);
 
 } // namespace detail
 

@@ -52,7 +52,7 @@ VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheck
   return run;
 }
 
-OptimizerInBackwardPeaks measure_optimizer_in_backward(const TransformerOptions& o) {
+OptimizerInBackwardPeaks measure_optimizer_in_backward(const TransformerOptions& o, int64_t batch, int64_t seq_len) {
   TORCH_CHECK(CpuMemoryTracker::installed(),
               "measure_optimizer_in_backward: install the CpuMemoryTracker first");
   auto& tracker = CpuMemoryTracker::install();
@@ -60,7 +60,7 @@ OptimizerInBackwardPeaks measure_optimizer_in_backward(const TransformerOptions&
   auto measure = [&](bool in_backward) {
     torch::manual_seed(0);
     Transformer model(o);
-    auto x = torch::randn({o.batch(), o.seq_len(), o.d_model()});
+    auto x = torch::randn({batch, seq_len, o.d_model()});
     int64_t peak = 0;
     std::unique_ptr<OptimizerInBackward> oib;
     std::unique_ptr<torch::optim::AdamW> opt;

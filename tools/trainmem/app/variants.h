@@ -17,6 +17,12 @@
 
 namespace trainmem {
 
+/// The capstone's input (batch, seq_len) = (16, 64): the demo's, the
+/// trainer's default, and the examples', tests' and benchmarks' reference
+/// step (with TransformerOptions' defaults, an input of (16, 64, 128)).
+constexpr int64_t kCapstoneBatch = 16;
+constexpr int64_t kCapstoneSeqLen = 64;
+
 /// The reference transformer's four checkpointing variants, in this order:
 /// none, full, every_2 and selective (save matmuls).
 std::vector<BlockCheckpointing> seed_variants(int64_t num_layers);
@@ -41,14 +47,16 @@ struct VariantRun {
 VariantRun run_variant(Transformer& model, const at::Tensor& x, const BlockCheckpointing& plan);
 
 /// CPU peaks of the reference model's AdamW training step, plain and with the
-/// optimizer stepped in backward, after one warm-up step each (so optimizer
+/// optimizer stepped in backward, on a (batch, seq_len, d_model) input,
+/// after one warm-up step each (so optimizer
 /// state exists in both). Needs CpuMemoryTracker::install() first.
 struct OptimizerInBackwardPeaks {
   int64_t plain_peak_bytes = 0; ///< zero_grad, forward, backward, step
   int64_t peak_bytes = 0;       ///< forward, backward (steps inside)
   int64_t grad_bytes = 0;       ///< the gradient bucket, for comparison
 };
-OptimizerInBackwardPeaks measure_optimizer_in_backward(const TransformerOptions& options);
+OptimizerInBackwardPeaks measure_optimizer_in_backward(const TransformerOptions& options, int64_t batch,
+                                                       int64_t seq_len);
 
 /// Largest absolute elementwise difference between two lists of tensors of
 /// the same shapes (throws if the lists differ in length or shapes).
