@@ -24,6 +24,7 @@
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "core/detail/autocast_on_meta.h"
+#include "core/detail/prediction_scope.h"
 #include "detail/backward_on_meta.h"
 #include "detail/optimizer_state.h"
 #include "plan/detail/plan_internal.h"
@@ -584,6 +585,7 @@ CudaStepPrediction predict_cuda_step_peak(
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(detail::prediction_mutex());
   detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
 
   TraceObserver observer;
@@ -622,6 +624,7 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(detail::prediction_mutex());
   detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepFunctionStateGuard untouched(modules, optimizers);  // Note [Predictions leave no trace]
 
   TraceObserver observer;
@@ -739,6 +742,7 @@ CudaCheckpointPlan plan_regions_cuda(
     const CudaPredictOptions& cuda) {
   TORCH_CHECK(options.budget_bytes() > 0, "plan_regions_cuda: expected a budget > 0, but got ",
               options.budget_bytes());
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   for (const auto& p : module.named_parameters(/*recurse=*/true)) {
     TORCH_CHECK(p.value().is_meta(), "plan_regions_cuda: parameter '", p.key(), "' is on ", p.value().device(),
                 ", not on the meta device; build the model under a MetaInitGuard or move it with trainmem::to_meta()");

@@ -55,6 +55,7 @@
 #include "core/detail/cpu_probe.h"
 #include "core/detail/autocast_on_meta.h"
 #include "core/detail/optimizer_state_walk.h"
+#include "core/detail/prediction_scope.h"
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "detail/optimizer_state.h"
@@ -349,6 +350,7 @@ SavedTensorReport predict_saved_activations(
   TORCH_CHECK(static_cast<bool>(forward), "predict_saved_activations: the forward function is empty");
   check_on_meta(module, "predict_saved_activations");
   enable_cpu_meta_kernels();
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   SavedTensorMeter meter(module);
   {
     detail::AutocastOnMeta autocast(c10::kCPU);  // Note [Autocast on meta]
@@ -476,6 +478,7 @@ StepPeak predict_step_peak(
   check_on_meta(module, "predict_step_peak");
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
   auto& meta = MetaAllocator::get();
   CpuStepCount count;
@@ -598,6 +601,7 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
   }
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepFunctionStateGuard untouched(modules, optimizers);
   auto& meta = MetaAllocator::get();
   CpuStepCount count;
