@@ -138,6 +138,20 @@ class TRAINMEM_API MetaInitGuard {
 /// otherwise.
 TRAINMEM_API void register_meta_kernels();
 
+/// A read of values from meta tensors inside a prediction (planner.h's and
+/// cuda_predict.h's predictions, plan_regions), where control flow may have
+/// differed from a real run: a meta tensor holds no values, so each such read
+/// returns a documented one. `.item()` and `if (t.all().item<bool>())` (op
+/// "aten::_local_scalar_dense") return 0, or false for a bool tensor; a meta
+/// tensor copied to the CPU (`.to(torch::kCPU)`: "aten::_to_copy", or
+/// "aten::copy_" into a CPU tensor) gives zeros. Outside a prediction a meta
+/// `.item()` throws as in LibTorch. Plain data.
+struct ScalarRead {
+  std::string op;        ///< "aten::_local_scalar_dense", "aten::_to_copy", "aten::copy_"
+  std::string value;     ///< what each read returned on meta: "0", "false" or "zeros"
+  int64_t num_reads = 0; ///< how many times, warm-up steps included
+};
+
 /// An op that has no kernel for meta tensors, as find_missing_meta_kernel()
 /// found it. Plain data.
 struct MissingMetaKernel {

@@ -22,6 +22,7 @@
 #include "core/detail/init_record.h"
 #include "core/detail/meta_fallback.h"
 #include "core/detail/meta_internal.h"
+#include "core/detail/prediction_scope.h"
 #include "detail/intercept.h"
 #include "detail/process_library.h"
 
@@ -152,6 +153,7 @@ void register_missing_meta_kernels() {
       add("aten::binary_cross_entropy_backward", "", TORCH_FN(binary_cross_entropy_backward_meta));
       add("aten::_amp_foreach_non_finite_check_and_unscale_", "", TORCH_FN(amp_unscale_meta));
       add("aten::_amp_update_scale_", "", TORCH_FN(amp_update_scale_meta));
+      add("aten::_local_scalar_dense", "", TORCH_FN(detail::local_scalar_dense_meta));  // Note [Scalar reads inside a prediction]
       // Last: every other op with a CPU kernel (Note [A meta path for ops without a meta kernel]).
       detail::register_meta_fallback();
     } catch (const std::exception& e) {

@@ -607,6 +607,7 @@ CudaStepPrediction predict_cuda_step_peak(
   r.workspaces = kernels.workspaces();
   kernels.count_attention_since(trace.marks.begin, r);
   terms_at_peak(trace, replay, r);
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
   return r;
 }
 
@@ -666,6 +667,7 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   r.workspaces = kernels.workspaces();
   kernels.count_attention_since(trace.marks.begin, r);
   terms_at_peak(trace, replay, r);
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
   return r;
 }
 
@@ -691,6 +693,7 @@ std::string to_string(const CudaStepPrediction& p) {
   line("step tensors (activations, temps)", t.step_bytes);
   line("CUDA kernel temporaries", t.kernel_temporary_bytes);
   line("allocator rounding (512 B blocks)", t.rounding_bytes);
+  os << detail::scalar_reads_line(p.scalar_reads);
   return os.str();
 }
 

@@ -332,6 +332,18 @@ int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
+std::string scalar_reads_line(const std::vector<ScalarRead>& reads) {
+  if (reads.empty()) {
+    return "";
+  }
+  std::vector<std::string> each;
+  for (const auto& r : reads) {
+    each.push_back(fmt::format("{} x {} -> {}", r.num_reads, r.op, r.value));
+  }
+  return fmt::format("  values read from meta (a real run's control flow may differ): {}\n",
+                     fmt::join(each, "; "));
+}
+
 // See src/plan/detail/plan_internal.h.
 bool kept_by_autograd(const at::Tensor& t) {
   const bool accumulator = t.is_leaf() && t.requires_grad() &&
@@ -506,6 +518,7 @@ StepPeak predict_step_peak(
                         });
   StepPeak r = phases.result();
   decompose(r, module, counter.grad_at_peak());
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
   return r;
 }
 
@@ -612,7 +625,7 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
   detail::BackwardOnMeta backward;
   detail::AutocastOnMeta autocast(c10::kCPU);
   MetaInitGuard factories;
-  return run_step_function(
+  StepFunctionPeak r = run_step_function(
       modules, optimizers, step, warmup_steps,
       [&] {
         counter.open_window();
@@ -623,6 +636,8 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
         counter.close_window();
         return std::make_pair(peak, meta.live_bytes());
       });
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
+  return r;
 }
 
 StepFunctionPeak measure_step_function(const std::vector<torch::nn::Module*>& modules,
@@ -649,6 +664,7 @@ std::string to_string(const StepFunctionPeak& p) {
                     "state {} B\n",
                     with_commas(p.start_bytes), with_commas(p.param_bytes), with_commas(p.buffer_bytes),
                     with_commas(p.grad_bytes), with_commas(p.optimizer_state_bytes));
+  os << detail::scalar_reads_line(p.scalar_reads);
   return os.str();
 }
 
@@ -671,6 +687,7 @@ std::string to_string(const StepPeak& p) {
   os << fmt::format("  phase peaks: forward {} B, backward {} B, optimizer step {} B\n",
                     with_commas(p.forward_peak_bytes), with_commas(p.backward_peak_bytes),
                     with_commas(p.optimizer_peak_bytes));
+  os << detail::scalar_reads_line(p.scalar_reads);
   return os.str();
 }
 
