@@ -174,6 +174,10 @@ struct CudaStepPrediction {
   /// that runs them (CudaPredictOptions::compute_capability).
   int64_t flash_attention_calls = 0;
   int64_t efficient_attention_calls = 0;
+  /// Values the step read from meta tensors (`.item()`, a meta tensor to the
+  /// CPU), by op and value returned: where control flow may have differed from
+  /// a real run. Empty when it read none.
+  std::vector<ScalarRead> scalar_reads;
 };
 
 /// Predicts one training step on CUDA (zero_grad to none, `loss_fn()`,

@@ -57,6 +57,16 @@ TRAINMEM_API void to_meta(torch::nn::Module& module);
 /// `torch::empty` and an initializer) has meta parameters: no storage bytes,
 /// exact sizes. Ops on existing real tensors run as usual.
 ///
+/// Record: the outermost guard on a thread records, in order, every op it sees
+/// that is a factory or reads a meta tensor the record made (the constructor's
+/// own `orthogonal_`, `kaiming_normal_`, `constant_`, a `copy_` under
+/// no_grad, ...), so that materialize() can replay them (docs/design.md, Note
+/// [Init replayed on materialize]). The record lives in the meta tensors it
+/// made (a tag on each; a real tensor an op read is kept with it): it dies with
+/// them, or when materialize(), load_into() or to_empty() gives the last of
+/// them storage; it holds no meta storage's bytes. Predictions and
+/// find_missing_meta_kernel() record nothing.
+///
 /// Mechanism: the one op interceptor below autograd (docs/design.md, Note [One
 /// interception key]) rewrites each factory op's device to Meta. What it cannot
 /// catch: `torch::from_blob` (no op), and code that reads data back (`item()`,
@@ -128,6 +138,20 @@ class TRAINMEM_API MetaInitGuard {
 /// otherwise.
 TRAINMEM_API void register_meta_kernels();
 
+/// A read of values from meta tensors inside a prediction (planner.h's and
+/// cuda_predict.h's predictions, plan_regions), where control flow may have
+/// differed from a real run: a meta tensor holds no values, so each such read
+/// returns a documented one. `.item()` and `if (t.all().item<bool>())` (op
+/// "aten::_local_scalar_dense") return 0, or false for a bool tensor; a meta
+/// tensor copied to the CPU (`.to(torch::kCPU)`: "aten::_to_copy", or
+/// "aten::copy_" into a CPU tensor) gives zeros. Outside a prediction a meta
+/// `.item()` throws as in LibTorch. Plain data.
+struct ScalarRead {
+  std::string op;        ///< "aten::_local_scalar_dense", "aten::_to_copy", "aten::copy_"
+  std::string value;     ///< what each read returned on meta: "0", "false" or "zeros"
+  int64_t num_reads = 0; ///< how many times, warm-up steps included
+};
+
 /// An op that has no kernel for meta tensors, as find_missing_meta_kernel()
 /// found it. Plain data.
 struct MissingMetaKernel {
@@ -186,27 +210,57 @@ TRAINMEM_API bool reset_builtin_parameters(torch::nn::Module& module);
 /// identity (TensorImpl), shape, strides, dtype and requires_grad; tensors
 /// that share one storage on meta (tied weights, views) share one on `device`.
 /// Tensors already off meta are left alone. Allocates exactly the meta
-/// storages' bytes.
+/// storages' bytes. A MetaInitGuard's record of their construction is dropped
+/// (nothing is replayed: use materialize() for values).
 TRAINMEM_API void to_empty(torch::nn::Module& module, c10::Device device);
 
-/// `to_empty(module, device)`, then re-initializes every module in post-order
-/// (children in registration order, then the parent): `init` if given and it
-/// returns true, else `Reinitializable::reset_parameters()`, else
-/// `reset_builtin_parameters()`. Throws, naming them, if some module owns
-/// tensors and none of the three knows it (its tensors are then allocated but
-/// uninitialized).
+/// Gives every meta parameter and buffer of `module` (recursively) storage on
+/// `device` and the values its construction gave it.
+///
+/// Built under a MetaInitGuard: the ops the guard recorded are replayed on
+/// `device` in order (factories made there, each meta tensor mapped to its
+/// real counterpart, each temporary released after its last use), the
+/// constructor's own init included, and each tensor adopts the replayed
+/// storage. On the CPU the values are bit-identical to a CPU construction
+/// after the same `torch::manual_seed` (the replay draws from the generator
+/// as it stands, in the construction's order; other devices draw from their
+/// own generators). What cannot be replayed throws c10::Error before anything
+/// is allocated, naming the tensor and the op ("materialize: cannot give
+/// weight the values its construction gave: aten::copy_ read a meta tensor of
+/// size [3, 4] not made under the MetaInitGuard"): an op that read a meta
+/// tensor from outside the record, an op that returned a value read from meta
+/// tensors or threw on meta and was caught (control flow may have differed), a
+/// draw out of order; at replay, a real tensor the construction read and that
+/// changed since, or an op with no kernel on `device` (then nothing is
+/// changed). Ops run on the meta tensors
+/// after the guard ended are not recorded, so not reproduced.
+///
+/// Moved to meta with to_meta() (no construction recorded): `to_empty(module,
+/// device)`, then each module owning such tensors is re-initialized in
+/// post-order (children in registration order, then the parent): `init` if
+/// given and it returns true, else `Reinitializable::reset_parameters()`, else
+/// `reset_builtin_parameters()`: LibTorch's defaults, not the constructor's
+/// own init (which is not reproduced). Throws, naming them, if some module
+/// owns such tensors and none of the three knows it (its tensors are then
+/// allocated but uninitialized), or if a module owns both recorded and
+/// unrecorded meta tensors. With nothing recorded, every module is
+/// re-initialized (the same draws as a CPU construction when each module
+/// constructs its children in registration order and initializes its own
+/// tensors after them, as LibTorch's modules, Transformer and GPT do).
 ///
 /// Identity: every parameter and buffer keeps its TensorImpl, so optimizers,
-/// meters and handles taken on the meta module stay valid. Values (on the CPU;
-/// other devices draw from their own generators): the same draws as a CPU
-/// construction after the same `torch::manual_seed`, when each
-/// module constructs its children in registration order and initializes its
-/// own tensors after them (true of LibTorch's modules, Transformer and GPT;
-/// a meta construction draws nothing).
+/// meters and handles taken on the meta module stay valid.
 ///
 /// Example:
 /// ```
-/// trainmem::materialize(*model, torch::Device(torch::kCUDA, 0));
+/// torch::manual_seed(0);
+/// Policy policy{nullptr};
+/// {
+///   trainmem::MetaInitGuard meta;
+///   policy = Policy();             // runs orthogonal_ on its weights: recorded
+/// }
+/// torch::optim::Adam adam(policy->parameters());
+/// trainmem::materialize(*policy, torch::kCPU);   // as Policy() on the CPU after manual_seed(0)
 /// ```
 TRAINMEM_API void materialize(torch::nn::Module& module, c10::Device device, const ModuleInit& init = nullptr);
 
@@ -241,7 +295,9 @@ struct LoadReport {
 /// whatever the source itself keeps alive. Tensors keep their identity and
 /// requires_grad; a tensor shared by several modules is loaded once, under its
 /// first name. Throws if a shape differs (naming it), or, when `strict`, if the
-/// source had no tensor for some names (listed; the rest are loaded).
+/// source had no tensor for some names (listed; the rest are loaded). Nothing
+/// of a MetaInitGuard's record is replayed (the checkpoint's values win); the
+/// record of each loaded tensor is dropped.
 ///
 /// Example:
 /// ```

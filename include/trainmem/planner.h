@@ -42,6 +42,7 @@
 
 #include "trainmem/block_checkpointing.h"
 #include "trainmem/export.h"
+#include "trainmem/meta.h"
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
 #include "trainmem/timeline.h"
@@ -116,6 +117,10 @@ struct StepPeak {
   int64_t forward_peak_bytes = 0;    ///< highest live bytes in forward
   int64_t backward_peak_bytes = 0;   ///< highest live bytes in backward
   int64_t optimizer_peak_bytes = 0;  ///< highest in the optimizer step (0 without one)
+  /// Values the step read from meta tensors (`.item()`, a meta tensor to the
+  /// CPU), by op and value returned: where control flow may have differed from
+  /// a real run. Empty when it read none.
+  std::vector<ScalarRead> scalar_reads;
 };
 
 /// Predicts the peak of one training step (zero_grad to none, `loss_fn()`,
@@ -179,6 +184,11 @@ struct StepFunctionPeak {
   int64_t peak_bytes = 0;
   /// start_bytes plus what the step left live minus what it freed.
   int64_t end_bytes = 0;
+  /// Values the step read from meta tensors (`.item()` for logging or an
+  /// early-stopping `if`, a meta tensor to the CPU), by op and value
+  /// returned, warm-up steps included: where control flow may have differed
+  /// from a real run (measure_step_function() leaves it empty).
+  std::vector<ScalarRead> scalar_reads;
 };
 
 /// Predicts the peak of `step`, the user's whole training step as it is

@@ -29,6 +29,7 @@
 #include <torch/nn/modules/rnn.h>
 #include <torch/serialize/input-archive.h>
 
+#include "core/detail/init_record.h"
 #include "core/detail/meta_internal.h"
 
 namespace trainmem {
@@ -38,14 +39,20 @@ namespace {
 // shallow copy it would do after that check is exactly what we want: the
 // TensorImpl (and so the tensor's identity and autograd metadata) stays, its
 // storage, device and key set become the other tensor's.
+// A tensor given real storage drops the record of its construction (Note
+// [Init replayed on materialize]).
 void adopt(const at::Tensor& t, const at::Tensor& from) {
   t.unsafeGetTensorImpl()->shallow_copy_from(from.getIntrusivePtr());
+  if (!from.is_meta()) {
+    detail::drop_init_record(t);
+  }
 }
 
 void swap_to_meta(const at::Tensor& t) {
   if (!t.defined() || t.is_meta()) {
     return;
   }
+  detail::InitRecordPause not_a_construction;  // its meta storage replays nothing
   adopt(t, at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta)));
 }
 
@@ -148,13 +155,71 @@ void to_empty(torch::nn::Module& module, c10::Device device) {
 }
 
 void materialize(torch::nn::Module& module, c10::Device device, const ModuleInit& init) {
-  to_empty(module, device);
+  TORCH_CHECK(detail::meta_init_guards() == 0,
+              "materialize: called under a MetaInitGuard, which would make its storage meta "
+              "again; end the guard first");
+  TORCH_CHECK(device.type() != c10::kMeta, "materialize: expected a real device, but got ", device);
   std::unordered_set<const torch::nn::Module*> seen;
   std::vector<torch::nn::Module*> order;
   post_order(module, seen, order);
+
+  // The meta tensors a construction under a MetaInitGuard made are replayed
+  // (Note [Init replayed on materialize]); the modules that own other meta
+  // tensors are re-initialized as before. A module owning both is refused.
+  std::vector<std::pair<std::string, at::Tensor>> recorded;
+  std::unordered_set<const c10::TensorImpl*> listed;
+  auto list = [&](const std::string& name, const at::Tensor& t) {
+    if (detail::has_init_record(t) && listed.insert(t.unsafeGetTensorImpl()).second) {
+      recorded.emplace_back(name, t);
+    }
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    list(p.key(), p.value());
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    list(b.key(), b.value());
+  }
+  std::vector<torch::nn::Module*> to_reset;
+  for (torch::nn::Module* m : order) {
+    std::string replayed;
+    std::string not_recorded;
+    auto see = [&](const std::string& name, const at::Tensor& t) {
+      if (!t.defined() || !t.is_meta()) {
+        return;
+      }
+      (listed.count(t.unsafeGetTensorImpl()) > 0 ? replayed : not_recorded) = name;
+    };
+    for (const auto& p : m->named_parameters(/*recurse=*/false)) {
+      see(p.key(), p.value());
+    }
+    for (const auto& b : m->named_buffers(/*recurse=*/false)) {
+      see(b.key(), b.value());
+    }
+    TORCH_CHECK(replayed.empty() || not_recorded.empty(), "materialize: ", m->name(), " owns ", replayed,
+                ", made under a MetaInitGuard (its construction is replayed), and ", not_recorded,
+                ", which was not (moved with to_meta() or made under another module's guard and assigned); "
+                "it cannot be both replayed and re-initialized: build the module under one MetaInitGuard");
+    // With nothing recorded, every module is re-initialized, as before;
+    // else only those owning meta tensors that were not recorded (a parent's
+    // reset_parameters() would draw again over its replayed children).
+    if (recorded.empty() || !not_recorded.empty()) {
+      to_reset.push_back(m);
+    }
+  }
+  if (!recorded.empty()) {
+    const std::vector<at::Tensor> real = detail::replay_init(recorded, device);
+    for (size_t i = 0; i < recorded.size(); ++i) {
+      const at::Tensor& t = recorded[i].second;
+      adopt(t, view_of(real[i].storage(), real[i], real[i].device()));
+      if (t.grad().defined() && t.grad().is_meta()) {
+        t.mutable_grad().reset();  // as to_empty() does
+      }
+    }
+  }
+  to_empty(module, device);
   at::NoGradGuard no_grad;
   std::vector<std::string> unknown;
-  for (torch::nn::Module* m : order) {
+  for (torch::nn::Module* m : to_reset) {
     if (init && init(*m)) {
       continue;
     }
@@ -172,8 +237,8 @@ void materialize(torch::nn::Module& module, c10::Device device, const ModuleInit
   }
   TORCH_CHECK(unknown.empty(), "materialize: no way to re-initialize the tensors of ",
               fmt::format("{}", fmt::join(unknown, ", ")),
-              " (allocated, left uninitialized); pass an init function or implement "
-              "trainmem::Reinitializable");
+              " (allocated, left uninitialized; not built under a MetaInitGuard, so there is no construction "
+              "to replay); pass an init function or implement trainmem::Reinitializable");
 }
 
 TensorSource archive_source(torch::serialize::InputArchive& archive) {

@@ -19,8 +19,10 @@
 #include <torch/library.h>
 
 #include "core/detail/cpu_probe.h"
+#include "core/detail/init_record.h"
 #include "core/detail/meta_fallback.h"
 #include "core/detail/meta_internal.h"
+#include "core/detail/prediction_scope.h"
 #include "detail/intercept.h"
 #include "detail/process_library.h"
 
@@ -53,14 +55,15 @@ bool mentions_tensor(const c10::TypePtr& type) {
 }
 
 // A factory op's device argument becomes Meta (and pin_memory false).
-void rewrite_factory(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+// Returns whether the op is a factory.
+bool rewrite_factory(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
   const auto& args = schema.arguments();
   const size_t base = stack->size() - args.size();
   int64_t device_at = -1;
   int64_t pin_at = -1;
   for (size_t i = 0; i < args.size(); ++i) {
     if (mentions_tensor(args[i].real_type())) {
-      return;
+      return false;
     }
     if (args[i].name() == "device") {
       device_at = static_cast<int64_t>(i);
@@ -69,12 +72,13 @@ void rewrite_factory(const c10::FunctionSchema& schema, torch::jit::Stack* stack
     }
   }
   if (device_at < 0) {
-    return;
+    return false;
   }
   (*stack)[base + device_at] = c10::IValue(c10::Device(c10::kMeta));
   if (pin_at >= 0 && (*stack)[base + pin_at].isBool()) {
     (*stack)[base + pin_at] = c10::IValue(false);
   }
+  return true;
 }
 
 // The kernels (meta_kernels.cpp) that register_missing_meta_kernels() adds.
@@ -149,6 +153,7 @@ void register_missing_meta_kernels() {
       add("aten::binary_cross_entropy_backward", "", TORCH_FN(binary_cross_entropy_backward_meta));
       add("aten::_amp_foreach_non_finite_check_and_unscale_", "", TORCH_FN(amp_unscale_meta));
       add("aten::_amp_update_scale_", "", TORCH_FN(amp_update_scale_meta));
+      add("aten::_local_scalar_dense", "", TORCH_FN(detail::local_scalar_dense_meta));  // Note [Scalar reads inside a prediction]
       // Last: every other op with a CPU kernel (Note [A meta path for ops without a meta kernel]).
       detail::register_meta_fallback();
     } catch (const std::exception& e) {
@@ -270,6 +275,7 @@ std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<vo
   register_missing_meta_kernels();
   detail::register_intercept_fallback();
   LeafGradKeeper keeper;
+  detail::InitRecordPause not_a_construction;  // Note [Init replayed on materialize]
   struct Restore {
     LeafGradKeeper& k;
     ~Restore() { k.restore(); }
@@ -291,7 +297,7 @@ std::optional<MissingMetaKernel> find_missing_meta_kernel(const std::function<vo
 struct MetaInitGuard::Impl : detail::InterceptHandler {
   void handle(const detail::InterceptScope& scope, const c10::OperatorHandle& op,
               c10::DispatchKeySet ks, torch::jit::Stack* stack) override {
-    rewrite_factory(op.schema(), stack);
+    const bool factory = rewrite_factory(op.schema(), stack);
     // torch::jit::load reads each storage on CPU and sets it into a tensor
     // the guard made on meta; LibTorch refuses that with a message about
     // devices that does not say what to do.
@@ -308,14 +314,20 @@ struct MetaInitGuard::Impl : detail::InterceptHandler {
                     "onto meta with torch::jit::load(path, c10::Device(c10::kMeta)) outside the guard");
       }
     }
-    scope.call_next(op, ks, stack);
+    if (records) {
+      detail::call_recorded(scope, op, ks, stack, factory);  // Note [Init replayed on materialize]
+    } else {
+      scope.call_next(op, ks, stack);
+    }
   }
   std::optional<detail::InterceptScope> scope;
+  bool records = false;  // the outermost guard records what its thread runs
 };
 
 MetaInitGuard::MetaInitGuard() : impl_(std::make_unique<Impl>()) {
   detail::register_intercept_fallback();
   register_missing_meta_kernels();
+  impl_->records = detail::begin_init_record();
   impl_->scope.emplace(*impl_);
   ++detail::meta_init_guards();
 }
@@ -323,6 +335,9 @@ MetaInitGuard::MetaInitGuard() : impl_(std::make_unique<Impl>()) {
 MetaInitGuard::~MetaInitGuard() {
   --detail::meta_init_guards();
   impl_->scope.reset();
+  if (impl_->records) {
+    detail::end_init_record();
+  }
 }
 
 } // namespace trainmem

@@ -24,6 +24,7 @@
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "core/detail/autocast_on_meta.h"
+#include "core/detail/prediction_scope.h"
 #include "detail/backward_on_meta.h"
 #include "detail/optimizer_state.h"
 #include "plan/detail/plan_internal.h"
@@ -605,6 +606,7 @@ CudaStepPrediction predict_cuda_step_peak(
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(detail::prediction_mutex());
   detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
 
   TraceObserver observer;
@@ -612,7 +614,7 @@ CudaStepPrediction predict_cuda_step_peak(
   StepTrace trace;
   trace_steps(module, loss_fn, optimizer, options, kernels, observer, trace);
 
-  return replay_prediction(trace, kernels, options, device_before({&module}, options), /*phases_split=*/true,
+  auto r = replay_prediction(trace, kernels, options, device_before({&module}, options), /*phases_split=*/true,
                            [&](const Replay& replay, const CudaStepPrediction& r) {
                              const StepMarks& m = trace.marks;
                              if (replay.peak_index == m.begin && replay.peak == r.start_allocated_bytes) {
@@ -622,6 +624,8 @@ CudaStepPrediction predict_cuda_step_peak(
                                  : replay.peak_index < m.optimizer  ? Phase::kBackward
                                                                     : Phase::kOptimizerStep;
                            });
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
+  return r;
 }
 
 CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Module*>& modules,
@@ -638,6 +642,7 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   detail::register_intercept_fallback();
   std::lock_guard<std::mutex> lock(detail::prediction_mutex());
   detail::NoConvScratchGuard no_cpu_scratch;  // Note [CPU convolution scratch]
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepFunctionStateGuard untouched(modules, optimizers);  // Note [Predictions leave no trace]
 
   TraceObserver observer;
@@ -669,12 +674,14 @@ CudaStepPrediction predict_cuda_step_function(const std::vector<torch::nn::Modul
   trace.events = observer.events();
 
   const std::vector<const torch::nn::Module*> trained(modules.begin(), modules.end());
-  return replay_prediction(trace, kernels, options, device_before(trained, options), /*phases_split=*/false,
+  auto r = replay_prediction(trace, kernels, options, device_before(trained, options), /*phases_split=*/false,
                            [&](const Replay& replay, const CudaStepPrediction&) {
                              return replay.peak_index > trace.marks.begin && kernels.in_backward_at(replay.peak_index)
                                  ? Phase::kBackward
                                  : Phase::kForward;
                            });
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
+  return r;
 }
 
 std::string to_string(const CudaStepPrediction& p) {
@@ -699,6 +706,7 @@ std::string to_string(const CudaStepPrediction& p) {
   line("step tensors (activations, temps)", t.step_bytes);
   line("CUDA kernel temporaries", t.kernel_temporary_bytes);
   line("allocator rounding (512 B blocks)", t.rounding_bytes);
+  os << detail::scalar_reads_line(p.scalar_reads);
   return os.str();
 }
 
@@ -750,6 +758,7 @@ CudaCheckpointPlan plan_regions_cuda(
     const CudaPredictOptions& cuda) {
   TORCH_CHECK(options.budget_bytes() > 0, "plan_regions_cuda: expected a budget > 0, but got ",
               options.budget_bytes());
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   for (const auto& p : module.named_parameters(/*recurse=*/true)) {
     TORCH_CHECK(p.value().is_meta(), "plan_regions_cuda: parameter '", p.key(), "' is on ", p.value().device(),
                 ", not on the meta device; build the model under a MetaInitGuard or move it with trainmem::to_meta()");

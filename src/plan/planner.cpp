@@ -52,6 +52,7 @@
 #include "trainmem/format.h"
 #include "detail/backward_on_meta.h"
 #include "core/detail/checkpoint_state.h"
+#include "core/detail/prediction_scope.h"
 #include "detail/intercept.h"
 #include "detail/optimizer_state.h"
 #include "detail/process_library.h"
@@ -819,6 +820,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
               "plan_regions: give RegionModel::optimizer or make_optimizer, not both");
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
+  PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   const OpCostFn cost_fn = options.op_cost() ? options.op_cost() : OpCostFn(flop_cost);
   const auto& regions = model.regions;
   const auto L = static_cast<int64_t>(regions.size());

@@ -55,6 +55,7 @@
 #include "core/detail/cpu_probe.h"
 #include "core/detail/autocast_on_meta.h"
 #include "core/detail/optimizer_state_walk.h"
+#include "core/detail/prediction_scope.h"
 #include "plan/detail/meta_allocator.h"
 #include "plan/detail/meta_step.h"
 #include "detail/optimizer_state.h"
@@ -331,6 +332,18 @@ int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
+std::string scalar_reads_line(const std::vector<ScalarRead>& reads) {
+  if (reads.empty()) {
+    return "";
+  }
+  std::vector<std::string> each;
+  for (const auto& r : reads) {
+    each.push_back(fmt::format("{} x {} -> {}", r.num_reads, r.op, r.value));
+  }
+  return fmt::format("  values read from meta (a real run's control flow may differ): {}\n",
+                     fmt::join(each, "; "));
+}
+
 // See src/plan/detail/plan_internal.h.
 bool kept_by_autograd(const at::Tensor& t) {
   const bool accumulator = t.is_leaf() && t.requires_grad() &&
@@ -349,6 +362,7 @@ SavedTensorReport predict_saved_activations(
   TORCH_CHECK(static_cast<bool>(forward), "predict_saved_activations: the forward function is empty");
   check_on_meta(module, "predict_saved_activations");
   enable_cpu_meta_kernels();
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   SavedTensorMeter meter(module);
   {
     detail::AutocastOnMeta autocast(c10::kCPU);  // Note [Autocast on meta]
@@ -483,6 +497,7 @@ namespace detail {
 
 StepPeak predict_step_peak_locked(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
                                   torch::optim::Optimizer* optimizer) {
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepStateGuard untouched(module, optimizer);  // Note [Predictions leave no trace]
   auto& meta = MetaAllocator::get();
   CpuStepCount count;
@@ -510,6 +525,7 @@ StepPeak predict_step_peak_locked(torch::nn::Module& module, const std::function
                         });
   StepPeak r = phases.result();
   decompose(r, module, counter.grad_at_peak());
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
   return r;
 }
 
@@ -607,6 +623,7 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
   }
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
+  detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepFunctionStateGuard untouched(modules, optimizers);
   auto& meta = MetaAllocator::get();
   CpuStepCount count;
@@ -617,7 +634,7 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
   detail::BackwardOnMeta backward;
   detail::AutocastOnMeta autocast(c10::kCPU);
   MetaInitGuard factories;
-  return run_step_function(
+  StepFunctionPeak r = run_step_function(
       modules, optimizers, step, warmup_steps,
       [&] {
         counter.open_window();
@@ -628,6 +645,8 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
         counter.close_window();
         return std::make_pair(peak, meta.live_bytes());
       });
+  r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
+  return r;
 }
 
 StepFunctionPeak measure_step_function(const std::vector<torch::nn::Module*>& modules,
@@ -654,6 +673,7 @@ std::string to_string(const StepFunctionPeak& p) {
                     "state {} B\n",
                     with_commas(p.start_bytes), with_commas(p.param_bytes), with_commas(p.buffer_bytes),
                     with_commas(p.grad_bytes), with_commas(p.optimizer_state_bytes));
+  os << detail::scalar_reads_line(p.scalar_reads);
   return os.str();
 }
 
@@ -676,6 +696,7 @@ std::string to_string(const StepPeak& p) {
   os << fmt::format("  phase peaks: forward {} B, backward {} B, optimizer step {} B\n",
                     with_commas(p.forward_peak_bytes), with_commas(p.backward_peak_bytes),
                     with_commas(p.optimizer_peak_bytes));
+  os << detail::scalar_reads_line(p.scalar_reads);
   return os.str();
 }
 

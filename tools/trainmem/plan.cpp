@@ -198,6 +198,10 @@ void print_plan(const PlanFlags& f, const TransformerOptions& o, const Checkpoin
                              with_commas(c.activation_bytes));
     std::cout << fmt::format("  peak phase: predicted {}, measured {}; step time {:.1f} ms (mean of two)\n",
                              to_string(plan.peak_phase), to_string(c.phase), measured->step_ms);
+    for (const auto& r : measured->meta.scalar_reads) {  // none from the reference transformer
+      std::cout << fmt::format("  read from meta (a real run's control flow may differ): {} x {} -> {}\n",
+                               r.num_reads, r.op, r.value);
+    }
     std::cout << fmt::format("  measured / predicted peak {:.3f}; {}\n",
                              static_cast<double>(c.peak_bytes) / static_cast<double>(plan.predicted_peak_bytes),
                              c.peak_bytes <= budget ? "within the budget" : "OVER the budget");
