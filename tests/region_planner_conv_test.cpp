@@ -25,6 +25,7 @@
 #include "trainmem/allocator.h"
 #include "trainmem/planner.h"
 #include "region_planner_check.h"
+#include "support/basic_block.h"
 #include "support/mnist_net.h"
 
 namespace {
@@ -169,30 +170,7 @@ TEST(RegionPlannerConvTest, DcganGenerator) {
 // A ResNet-style net: a conv + BatchNorm stem, residual blocks (the last one
 // downsamples, with a 1x1 projection), global average pooling and a linear
 // head. Blocks are their own module type: regions by shared_ptr and holder.
-struct BasicBlockImpl : nn::Module {
-  BasicBlockImpl(int64_t in, int64_t out, int64_t stride)
-      : conv1(register_module("conv1",
-                              nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)))),
-        bn1(register_module("bn1", nn::BatchNorm2d(out))),
-        conv2(register_module("conv2", nn::Conv2d(nn::Conv2dOptions(out, out, 3).padding(1).bias(false)))),
-        bn2(register_module("bn2", nn::BatchNorm2d(out))) {
-    if (stride != 1 || in != out) {
-      down = register_module("down", nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
-                                                    nn::BatchNorm2d(out)));
-    }
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    auto h = at::relu(bn1->forward(conv1->forward(x)));
-    h = bn2->forward(conv2->forward(h));
-    return at::relu(h + (down ? down->forward(x) : x));
-  }
-  nn::Conv2d conv1;
-  nn::BatchNorm2d bn1;
-  nn::Conv2d conv2;
-  nn::BatchNorm2d bn2;
-  nn::Sequential down{nullptr};
-};
-TORCH_MODULE(BasicBlock);
+using trainmem::testing::BasicBlock;
 
 // The stem: conv + BatchNorm + ReLU (a Sequential cannot hold a Sequential).
 struct StemImpl : nn::Module {

@@ -24,6 +24,7 @@
 #include "trainmem/meta.h"
 #include "trainmem/planner.h"
 #include "region_planner_check.h"
+#include "support/basic_block.h"
 
 namespace {
 
@@ -34,30 +35,7 @@ using trainmem::PlanOptions;
 using trainmem::Region;
 using trainmem::RegionModel;
 
-struct ResBlockImpl : nn::Module {
-  ResBlockImpl(int64_t in, int64_t out, int64_t stride)
-      : conv1(register_module("conv1",
-                              nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)))),
-        bn1(register_module("bn1", nn::BatchNorm2d(out))),
-        conv2(register_module("conv2", nn::Conv2d(nn::Conv2dOptions(out, out, 3).padding(1).bias(false)))),
-        bn2(register_module("bn2", nn::BatchNorm2d(out))) {
-    if (stride != 1 || in != out) {
-      down = register_module("down", nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
-                                                    nn::BatchNorm2d(out)));
-    }
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    auto h = at::relu(bn1->forward(conv1->forward(x)));
-    h = bn2->forward(conv2->forward(h));
-    return at::relu(h + (down ? down->forward(x) : x));
-  }
-  nn::Conv2d conv1;
-  nn::BatchNorm2d bn1;
-  nn::Conv2d conv2;
-  nn::BatchNorm2d bn2;
-  nn::Sequential down{nullptr};
-};
-TORCH_MODULE(ResBlock);
+using trainmem::testing::BasicBlock;
 
 // conv 3x3 + BatchNorm + ReLU over the upsampled features and the skip.
 struct DecoderStageImpl : nn::Module {
@@ -77,9 +55,9 @@ struct UNetImpl : nn::Module {
   UNetImpl()
       : stem_conv(register_module("stem_conv", nn::Conv2d(nn::Conv2dOptions(3, 16, 3).padding(1).bias(false)))),
         stem_bn(register_module("stem_bn", nn::BatchNorm2d(16))),
-        enc1(register_module("enc1", ResBlock(16, 32, 2))),
-        enc2(register_module("enc2", ResBlock(32, 64, 2))),
-        enc3(register_module("enc3", ResBlock(64, 64, 2))),
+        enc1(register_module("enc1", BasicBlock(16, 32, 2))),
+        enc2(register_module("enc2", BasicBlock(32, 64, 2))),
+        enc3(register_module("enc3", BasicBlock(64, 64, 2))),
         classifier(register_module("classifier", nn::Linear(64, 1000))),  // never used by the loss
         dec3(register_module("dec3", DecoderStage(64, 64, 64))),
         dec2(register_module("dec2", DecoderStage(64, 32, 32))),
@@ -129,7 +107,7 @@ struct UNetImpl : nn::Module {
 
   nn::Conv2d stem_conv;
   nn::BatchNorm2d stem_bn;
-  ResBlock enc1, enc2, enc3;
+  BasicBlock enc1, enc2, enc3;
   nn::Linear classifier;
   DecoderStage dec3, dec2, dec1;
   nn::Conv2d head;
