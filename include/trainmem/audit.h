@@ -6,8 +6,14 @@
 ///
 /// Phases need no marking: backward is detected inside autograd's engine,
 /// each added optimizer's step by the ops it runs on its parameters and
-/// gradients (its own phase per optimizer); Audit::phase() marks what a loop
-/// does that neither can see. Any number of modules (C++ modules, their
+/// gradients (its own phase per optimizer), a pass without grad over the
+/// parameters (a rollout, an evaluation) by its reads ("forward (no grad)");
+/// Audit::phase() marks what a loop does that none of these can see. A step
+/// may hold many forward, backward and optimizer steps (a PPO update inside
+/// a library call): gradients stay GRADIENT until freed, each minibatch's
+/// activations are ACTIVATION and its data INPUT. With no optimizer added,
+/// its step is found by its ops and what it keeps is "optimizer state
+/// (inferred)". Any number of modules (C++ modules, their
 /// holders, TorchScript modules) and optimizers can be audited together.
 ///
 /// Example:

@@ -82,9 +82,14 @@ struct PhaseSpan {
   int64_t end_ns = 0;         ///< in ns
   int64_t peak_bytes = 0;     ///< highest live bytes during the span
   CategoryBytes peak_by_category{}; ///< live bytes by category at that peak (timeline only)
+  /// A backward's: what autograd saved in the forward it runs (its
+  /// micro-batch, when the meter ran); -1 for other phases or unmetered.
+  int64_t saved_bytes = -1;
 };
 
-/// "optimizer step (D)": the phase's name, with the span's name if any.
+/// "optimizer step (D)": the phase's name, with the span's name if any
+/// ("forward (no grad)": a pass without grad over the audited parameters;
+/// "optimizer step (inferred)": a step found with no optimizer added).
 TRAINMEM_API std::string span_label(const PhaseSpan& span);
 
 /// Everything recorded: live bytes by category before the first event, then

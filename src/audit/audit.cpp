@@ -332,6 +332,7 @@ void Audit::begin_step() {
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.spans.clear();
+    s.grad_sightings.clear();
     s.backward_depth = 0;
     s.learnt = Impl::WatchMode::kFull;
     s.marked.reset();
@@ -401,6 +402,7 @@ void Audit::end_step() {
     ps.begin_ns = span.begin_ns;
     ps.end_ns = span.end_ns;
     ps.peak_bytes = span.peak_bytes;
+    ps.saved_bytes = span.saved_bytes;
     s.timeline.phases.push_back(ps);
   }
   if (s.step_index == 0) {
@@ -544,6 +546,9 @@ AuditReport Audit::report() const {
       r.buckets.push_back({"optimizer state (" + st.name + ")", Category::kOptimizerState, st.bytes});
     }
   }
+  if (s.inferred_optimizer) {  // Note [Optimizer state inferred from lifetimes]
+    r.buckets.push_back({"optimizer state (inferred)", Category::kOptimizerState, s.inferred_state_bytes});
+  }
   for (const auto& l : s.labels) {
     if (auto st = l.bucket ? l.storage.lock() : nullptr) {
       r.buckets.push_back({l.name, l.category, static_cast<int64_t>(st->nbytes())});
@@ -614,6 +619,13 @@ AuditReport Audit::report() const {
   }
   if (auto note = s.retired_note()) {
     r.notes.push_back(*note);
+  }
+  if (s.inferred_optimizer) {
+    r.notes.push_back(fmt::format(
+        "no optimizer was added: its step was found by its ops (an op without grad that reads a gradient or "
+        "writes a parameter in place), and the {} B made in it and alive at the last step's end are optimizer "
+        "state inferred from lifetimes; add the optimizer (Audit(model, &optimizer)) for its own figures",
+        with_commas(s.inferred_state_bytes)));
   }
   const auto gone = std::count_if(s.modules.begin(), s.modules.end(), [](const auto& m) { return m.get() == nullptr; }) +
       std::count_if(s.jit_modules.begin(), s.jit_modules.end(), [](const auto& w) { return w.expired(); });

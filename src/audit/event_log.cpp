@@ -163,19 +163,27 @@ bool Audit::Impl::push_event(const MemoryEvent& e) {
   return true;
 }
 
-Phase Audit::Impl::phase_at(int64_t t) const {
-  for (const auto& s : spans) {
-    if (t < s.end_ns) {
-      return s.phase;
-    }
+// The span holding time `t` (the last one past the step's end).
+const Audit::Impl::Span* Audit::Impl::span_at(int64_t t) const {
+  if (spans.empty()) {
+    return nullptr;
   }
-  return spans.empty() ? Phase::kForward : spans.back().phase;
+  const auto it = std::upper_bound(spans.begin(), spans.end(), t,
+                                   [](int64_t x, const Span& s) { return x < s.end_ns; });
+  return it == spans.end() ? &spans.back() : &*it;
+}
+
+Phase Audit::Impl::phase_at(int64_t t) const {
+  const Span* s = span_at(t);
+  return s == nullptr ? Phase::kForward : s->phase;
 }
 
 int64_t Audit::Impl::first_backward_after(int64_t t) const {
-  for (const auto& s : spans) {
-    if (s.phase == Phase::kBackward && s.begin_ns >= t) {
-      return s.begin_ns;
+  auto it = std::lower_bound(spans.begin(), spans.end(), t,
+                             [](const Span& s, int64_t x) { return s.begin_ns < x; });
+  for (; it != spans.end(); ++it) {
+    if (it->phase == Phase::kBackward) {
+      return it->begin_ns;
     }
   }
   return INT64_MAX;
@@ -187,15 +195,28 @@ bool Audit::Impl::is_input(uint64_t address, int64_t alloc_ns) const {
   });
 }
 
-// Category of an allocation freed at `free_ns` in this step.
+// Category of an allocation freed at `free_ns` in this step (Note [Steps
+// within a step]).
 Category Audit::Impl::category_of_freed(const MemoryEvent& a, int64_t free_ns) const {
   if (is_input(a.address, a.time_ns)) {
     return Category::kInput;
   }
-  if (a.phase == Phase::kForward && a.time_ns >= step_begin_ns && free_ns >= first_backward_after(a.time_ns)) {
+  if (grad_sightings.seen_between(a.address, a.time_ns, free_ns)) {
+    return Category::kGradient;  // a gradient, whoever freed it
+  }
+  if (a.time_ns < step_begin_ns || free_ns < first_backward_after(a.time_ns)) {
+    return Category::kTemporary;
+  }
+  const Span* made_in = span_at(a.time_ns);
+  if (made_in->phase == Phase::kForward && !made_in->no_grad) {
     return Category::kActivation;
   }
-  return Category::kTemporary;
+  if (made_in->phase == Phase::kBackward) {
+    return Category::kTemporary;
+  }
+  // Made by a pass without grad or between an optimizer's step and the
+  // next forward, and read by a later forward and backward: the update's data.
+  return Category::kInput;
 }
 
 // Category of an allocation still live at the step's end.
@@ -209,16 +230,18 @@ Category Audit::Impl::category_of_live(const MemoryEvent& a, const std::unordere
   if (a.time_ns < step_begin_ns) {
     return Category::kInput;  // made between steps: Note [A batch made between steps]
   }
-  if (a.phase == Phase::kOptimizerStep) {
+  const Span* made_in = span_at(a.time_ns);
+  if (made_in->phase == Phase::kOptimizerStep) {
     return Category::kOptimizerState;
   }
-  if (a.phase == Phase::kForward && first_backward_after(a.time_ns) != INT64_MAX) {
-    return Category::kActivation;
+  if (made_in->phase == Phase::kForward && first_backward_after(a.time_ns) != INT64_MAX) {
+    return made_in->no_grad ? Category::kInput : Category::kActivation;
   }
   return Category::kUnknown;
 }
 
 void Audit::Impl::classify_step_events(const std::vector<detail::RecordedEvent>& raw) {
+  grad_sightings.seal();
   timeline.num_dropped_events += recorder->take_num_dropped();
   // Blocks of the baseline freed in this step leave "before the audit";
   // those made since the Audit and freed between the first step and the
@@ -389,6 +412,15 @@ void Audit::Impl::name_survivors() {
       e.category = category_of_live(e, *own);
     }
     a.final = true;
+  }
+  if (inferred_optimizer && infers_optimizer()) {  // Note [Optimizer state inferred from lifetimes]
+    inferred_state_bytes = 0;
+    for (const auto& [address, a] : live) {
+      const auto& e = timeline.events[a.event];
+      if (e.category == Category::kOptimizerState) {
+        inferred_state_bytes += e.bytes;
+      }
+    }
   }
 }
 

@@ -106,17 +106,19 @@ bool Audit::Impl::same_saves(const SavedTensorReport& a, const SavedTensorReport
 
 // The meter covers forward only, one micro-batch at a time: a step's
 // saved bytes are its largest micro-batch's, what backward holds at once.
-void Audit::Impl::close_meter(detail::WaitingSaves waiting) {
+int64_t Audit::Impl::close_meter(detail::WaitingSaves waiting) {
   if (!meter_guard) {
-    return;
+    return -1;
   }
   meter_guard.reset();
   auto r = meter->report();
+  const int64_t saved = r.saved_bytes;
   if (r.saved_bytes >= step_saved.saved_bytes) {
     step_saved = std::move(r);
     step_saved_waiting = std::move(waiting);
   }
   meter->reset();
+  return saved;
 }
 
 namespace {

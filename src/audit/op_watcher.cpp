@@ -25,9 +25,12 @@
 // LibTorch's optimizers have no hook, but their step() runs ops on their
 // parameters and gradients under no-grad. While a step is open, a
 // thread-local RecordFunction callback looks at each op run without grad
-// (outside backward): one that reads or updates a parameter or a gradient
-// belongs to the optimizer that owns it, so that optimizer's step begins (a phase of
-// its own). An op that builds graph (an output with a grad_fn) is forward.
+// (outside backward): one that reads a gradient or updates a parameter in
+// place belongs to the optimizer that owns it, so that optimizer's step
+// begins (a phase of its own); one that only reads a parameter is a pass
+// without grad (Note [Steps within a step]). With no optimizer added the
+// step is inferred (Note [Optimizer state inferred from lifetimes]). An op
+// that builds graph (an output with a grad_fn) is forward.
 // After a backward the phase is provisionally "optimizer step": a backward
 // that follows makes it forward (gradient accumulation), an optimizer's op
 // names it. Gradient clipping on an optimizer's gradients falls in its step.
@@ -115,6 +118,11 @@ void Audit::Impl::transition(Span next, int64_t t) {
 Audit::Impl::Span Audit::Impl::optimizer_span(int64_t opt) const {
   Span s;
   s.phase = Phase::kOptimizerStep;
+  if (opt == kInferredOptimizer) {
+    s.name = "inferred";
+    s.optimizer = kInferredOptimizer;
+    return s;
+  }
   s.name = optimizers[static_cast<size_t>(opt)].name;
   s.optimizer = optimizers[static_cast<size_t>(opt)].group;
   return s;
@@ -126,6 +134,7 @@ void Audit::Impl::on_backward(bool begin, const torch::autograd::edge_list& root
     return;
   }
   backward_depth += begin ? 1 : -1;
+  int64_t micro_batch_saved = -1;
   if (metering) {
     if (begin) {
       name_waiting_saves(roots);  // Note [Saves named by a later backward]
@@ -134,7 +143,7 @@ void Audit::Impl::on_backward(bool begin, const torch::autograd::edge_list& root
         detail::name_saved_nodes(*meter, roots);  // Note [Naming nodes by sequence number]
         waiting = detail::take_waiting_saves(*meter);
       }
-      close_meter(std::move(waiting));
+      micro_batch_saved = close_meter(std::move(waiting));
     } else {
       meter_guard = std::make_unique<SavedTensorMeterGuard>(*meter);
     }
@@ -148,16 +157,21 @@ void Audit::Impl::on_backward(bool begin, const torch::autograd::edge_list& root
   const int64_t t = now_ns();
   if (begin) {
     // A provisional optimizer step that saw no optimizer was forward
-    // (gradient accumulation: forward, backward, forward, backward...).
-    if (spans.back().provisional && spans.back().phase == Phase::kOptimizerStep) {
-      spans.back().phase = Phase::kForward;
+    // (gradient accumulation: forward, backward, forward, backward...);
+    // a provisional pass without grad stays one.
+    if (spans.back().provisional) {
+      if (!spans.back().no_grad) {
+        spans.back().phase = Phase::kForward;
+      }
       spans.back().provisional = false;
     }
     Span b;
     b.phase = Phase::kBackward;
+    b.saved_bytes = micro_batch_saved;
     transition(b, t);
   } else {
     refresh_grad_owners();
+    sight_grads(t);  // Note [Steps within a step]
     Span next;
     if (marked) {
       next = *marked;  // the marked phase resumes
@@ -172,8 +186,13 @@ void Audit::Impl::on_backward(bool begin, const torch::autograd::edge_list& root
 // An op of optimizer `opt` ran (Note [Optimizer phases from ops]).
 void Audit::Impl::on_optimizer_op(int64_t opt) {
   auto& cur = spans.back();
-  optimizers[static_cast<size_t>(opt)].stepped = true;
-  const int64_t group = optimizers[static_cast<size_t>(opt)].group;
+  int64_t group = kInferredOptimizer;
+  if (opt == kInferredOptimizer) {
+    inferred_optimizer = true;
+  } else {
+    optimizers[static_cast<size_t>(opt)].stepped = true;
+    group = optimizers[static_cast<size_t>(opt)].group;
+  }
   if (cur.phase == Phase::kOptimizerStep && cur.optimizer == group) {
     return;
   }
@@ -184,30 +203,54 @@ void Audit::Impl::on_optimizer_op(int64_t opt) {
   } else {
     transition(optimizer_span(opt), now_ns());
   }
-  if (num_groups == 1) {
+  if (num_groups <= 1) {
     learnt = WatchMode::kQuietStep;  // no other optimizer's op can follow
   }
 }
 
+// An op read a parameter without grad, and neither wrote one nor read a
+// gradient: a pass without grad (a rollout, an evaluation), not a step
+// (Note [Steps within a step]).
+void Audit::Impl::on_no_grad_read() {
+  auto& cur = spans.back();
+  if (cur.no_grad || (cur.phase == Phase::kOptimizerStep && !cur.provisional)) {
+    return;  // an optimizer's step reads its parameters too (Adam's first makes its state like them)
+  }
+  if (cur.provisional || (cur.phase == Phase::kForward && !cur.saw_graph)) {
+    cur.phase = Phase::kForward;  // what it held so far was this pass's
+    cur.name = "no grad";
+    cur.no_grad = true;
+    cur.optimizer = -1;
+    return;
+  }
+  Span n;
+  n.phase = Phase::kForward;
+  n.name = "no grad";
+  n.no_grad = true;
+  n.provisional = true;  // an optimizer's step may show itself (its first op reads a parameter)
+  transition(n, now_ns());
+}
+
 void Audit::Impl::on_forward_op() {
   auto& cur = spans.back();
-  if (cur.phase == Phase::kForward) {
+  if (cur.phase == Phase::kForward && !cur.no_grad) {
+    cur.saw_graph = true;
     return;
   }
-  if (cur.provisional) {
+  if (cur.provisional && !cur.no_grad) {
     cur.phase = Phase::kForward;
     cur.provisional = false;
+    cur.saw_graph = true;
     return;
   }
-  if (cur.phase == Phase::kOptimizerStep) {
-    Span f;
-    f.phase = Phase::kForward;
-    transition(f, now_ns());
-  }
+  Span f;
+  f.phase = Phase::kForward;
+  f.saw_graph = true;
+  transition(f, now_ns());
 }
 
 bool Audit::Impl::watching() const {
-  return open && !closed && backward_depth == 0 && !marked && !optimizers.empty();
+  return open && !closed && backward_depth == 0 && !marked;
 }
 
 void Audit::Impl::watch_start(const at::RecordFunction& fn) {
@@ -224,32 +267,43 @@ void Audit::Impl::watch_start(const at::RecordFunction& fn) {
   if (name == "aten::zero_" || name == "aten::detach_" || name == "aten::detach") {
     return;  // zero_grad(false) and friends are no step
   }
+  // Note [Steps within a step]: an optimizer's op reads a gradient or
+  // writes a parameter in place; one that only reads a parameter is a pass
+  // without grad.
+  const bool in_place = name.back() == '_';
   int64_t owner = -1;
-  auto look = [&](const at::Tensor& t) {
-    if (owner >= 0 || !t.defined() || !t.has_storage()) {
+  bool step_op = false;
+  auto look = [&](const at::Tensor& t, bool written) {
+    if (step_op || !t.defined() || !t.has_storage()) {
       return;
     }
     const auto* key = t.storage().unsafeGetStorageImpl();
     if (auto it = param_owner.find(key); it != param_owner.end()) {
-      owner = it->second;  // a parameter updated or read without grad
+      owner = it->second;
+      step_op = written;
     } else if (auto g = grad_owner.find(key); g != grad_owner.end()) {
       owner = g->second;
+      step_op = true;
     }
   };
+  bool first = true;
   for (const auto& v : fn.inputs()) {
     if (v.isTensor()) {
-      look(v.toTensor());
+      look(v.toTensor(), first && in_place);
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorVector()) {
-        look(t);
+        look(t, first && in_place);
       }
     }
-    if (owner >= 0) {
+    first = false;
+    if (step_op) {
       break;
     }
   }
-  if (owner >= 0) {
+  if (step_op) {
     on_optimizer_op(owner);
+  } else if (owner != -1) {
+    on_no_grad_read();
   }
 }
 
@@ -271,7 +325,7 @@ void Audit::Impl::watch_end(const at::RecordFunction& fn) {
   if (builds_graph) {
     on_forward_op();
     learnt = WatchMode::kQuietForward;
-  } else if (spans.back().phase == Phase::kForward && !spans.back().provisional) {
+  } else if (spans.back().phase == Phase::kForward && !spans.back().provisional && !spans.back().no_grad) {
     // The step began in forward and an op ran with grad: forward has
     // shown itself, though this op built no graph (a frozen encoder's).
     learnt = WatchMode::kQuietForward;
@@ -287,9 +341,6 @@ Audit::Impl::WatchMode Audit::Impl::quiet_mode() {
 }
 
 void Audit::Impl::start_watching() {
-  if (optimizers.empty()) {
-    return;
-  }
   auto& w = tls_watchers;
   w.erase(std::remove_if(w.begin(), w.end(), [](const auto& e) { return e.expired(); }), w.end());
   w.push_back(weak_from_this());

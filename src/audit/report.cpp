@@ -122,6 +122,55 @@ std::string pct(int64_t part, int64_t whole) {
                    : std::string("-");
 }
 
+StepStat stat_of(std::vector<int64_t> v) {
+  if (v.empty()) {
+    return StepStat{};
+  }
+  std::sort(v.begin(), v.end());
+  return StepStat{v.front(), v[(v.size() - 1) / 2], v.back()};
+}
+
+// Steps that hold several backward passes (an update loop inside one
+// audited step, accumulation, a GAN): per pass, the peak of its forward and
+// backward and what it saved (Note [Steps within a step]).
+std::string inner_steps_text(const AuditReport& r) {
+  std::string out;
+  size_t i = 0;
+  while (i < r.phases.size()) {
+    const int64_t step = r.phases[i].step;
+    std::vector<int64_t> peaks, saved;
+    int64_t since_last = 0;  // peak since the last backward ended
+    for (; i < r.phases.size() && r.phases[i].step == step; ++i) {
+      const auto& p = r.phases[i];
+      since_last = std::max(since_last, p.peak_bytes);
+      if (p.phase == Phase::kBackward) {
+        peaks.push_back(since_last);
+        since_last = 0;
+        if (p.saved_bytes >= 0) {
+          saved.push_back(p.saved_bytes);
+        }
+      } else if (p.phase == Phase::kOptimizerStep) {
+        since_last = 0;
+      }
+    }
+    if (peaks.size() < 2) {
+      continue;
+    }
+    if (out.empty()) {
+      out = "\nsteps within a step: per backward pass, its forward and backward      min / median / max\n";
+    }
+    const auto pk = stat_of(peaks);
+    out += fmt::format("  step {:<6} {} passes, peak {} / {} / {} B\n", step, peaks.size(), with_commas(pk.min),
+                       with_commas(pk.median), with_commas(pk.max));
+    if (!saved.empty()) {
+      const auto sv = stat_of(saved);
+      out += fmt::format("  {:<11} {} metered, saved {} / {} / {} B\n", "", saved.size(), with_commas(sv.min),
+                         with_commas(sv.median), with_commas(sv.max));
+    }
+  }
+  return out;
+}
+
 } // namespace
 
 int64_t AuditReport::static_bytes() const {
@@ -227,6 +276,7 @@ std::string to_text(const AuditReport& r) {
     }
     out += fmt::format("peak over steps      {:>16} B  {:>10}\n", with_commas(r.peak_bytes), human_bytes(r.peak_bytes));
   }
+  out += inner_steps_text(r);
   int64_t at_peak = 0;
   for (auto b : r.peak_by_category) {
     at_peak += b;
@@ -330,6 +380,9 @@ void to_json(Json& j, const AuditReport& r) {
                       {"end_ns", p.end_ns},
                       {"peak_bytes", p.peak_bytes},
                       {"peak_by_category_bytes", category_bytes_json(p.peak_by_category)}});
+    if (p.saved_bytes >= 0) {
+      phases.back()["saved_bytes"] = p.saved_bytes;  // a metered backward's micro-batch
+    }
   }
   j["phases"] = phases;
   Json times = Json::array();
@@ -407,6 +460,9 @@ PhaseSpan phase_span_from_json(const Json& p) {
               " ns) before it begins (", span.begin_ns, " ns)");
   span.peak_bytes = count_at(p, "peak_bytes");
   span.peak_by_category = category_bytes_from(p.at("peak_by_category_bytes"));
+  if (p.contains("saved_bytes")) {
+    span.saved_bytes = count_at(p, "saved_bytes");
+  }
   return span;
 }
 

@@ -155,8 +155,21 @@ std::unordered_map<uint64_t, Category> Audit::Impl::owners() const {
   return o;
 }
 
+// Note [Optimizer state inferred from lifetimes]: with no live optimizer,
+// the audited modules' parameters are the inferred step's.
+bool Audit::Impl::infers_optimizer() const {
+  return std::all_of(optimizers.begin(), optimizers.end(), [](const auto& o) { return o.retired; });
+}
+
 void Audit::Impl::refresh_grad_owners() {
   grad_owner.clear();
+  if (infers_optimizer()) {
+    for (const auto& p : parameters()) {
+      if (p.grad().defined()) {
+        grad_owner[storage_key(p.grad())] = kInferredOptimizer;
+      }
+    }
+  }
   for (size_t i = 0; i < optimizers.size(); ++i) {
     if (optimizers[i].retired) {
       continue;
@@ -184,8 +197,37 @@ void Audit::Impl::refresh_param_owners() {
     }
     for_each_param(o, [&](const at::Tensor& p) { param_owner[storage_key(p)] = static_cast<int64_t>(i); });
   }
+  if (infers_optimizer()) {
+    for (const auto& p : parameters()) {
+      param_owner[storage_key(p)] = kInferredOptimizer;
+    }
+  }
   param_owner.erase(nullptr);
   refresh_grad_owners();
+}
+
+// The gradients of the optimizers' parameters, seen at a backward's end.
+void Audit::Impl::sight_grads(int64_t t) {
+  for (const auto& [key, owner] : grad_owner) {
+    grad_sightings.add(reinterpret_cast<uint64_t>(key->data_ptr().get()), t);
+  }
+}
+
+void Audit::Impl::Sightings::seal() {
+  std::sort(seen.begin(), seen.end());
+  filter.fill(0);
+  for (const auto& s : seen) {
+    filter[bit(s.address) / 64] |= uint64_t{1} << (bit(s.address) % 64);
+  }
+}
+
+bool Audit::Impl::Sightings::seen_between(uint64_t address, int64_t from, int64_t to) const {
+  const size_t b = bit(address);
+  if ((filter[b / 64] & (uint64_t{1} << (b % 64))) == 0) {
+    return false;
+  }
+  const auto it = std::lower_bound(seen.begin(), seen.end(), Sighting{address, from});
+  return it != seen.end() && it->address == address && it->time_ns <= to;
 }
 
 // Every state tensor it held at its last read is gone: it was destroyed.

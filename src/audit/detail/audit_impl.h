@@ -11,6 +11,7 @@
 //   storage_tables.cpp  what the audit can name by storage: parameters,
 //                       buffers, gradients, optimizer state, and the
 //                       optimizers' reads (Note [Optimizers that come and go])
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -45,9 +46,42 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
     std::string name;
     int64_t optimizer = -1;    // index of the optimizer whose step this is
     bool provisional = false;  // a guess that evidence may rename
+    bool no_grad = false;      // a pass without grad over parameters (Note [Steps within a step])
+    bool saw_graph = false;    // an op built graph in it
     int64_t begin_ns = 0;
     int64_t end_ns = 0;
     int64_t peak_bytes = 0;
+    int64_t saved_bytes = -1;  // a backward's: what its micro-batch saved (metered), else -1
+  };
+  // Owner of a parameter or gradient when no optimizer was added: the
+  // step is inferred (Note [Optimizer state inferred from lifetimes]).
+  static constexpr int64_t kInferredOptimizer = -2;
+  // A block seen as a gradient at `time_ns`.
+  struct Sighting {
+    uint64_t address;
+    int64_t time_ns;
+    bool operator<(const Sighting& o) const {
+      return address != o.address ? address < o.address : time_ns < o.time_ns;
+    }
+  };
+  // Sightings of one step, sorted at its end, with a filter of their
+  // addresses for the many blocks that were none.
+  struct Sightings {
+    std::vector<Sighting> seen;
+    std::array<uint64_t, 16> filter{};
+    static size_t bit(uint64_t address) {
+      return static_cast<size_t>((address * 0x9E3779B97F4A7C15ULL) >> 54);  // 1,024 bits
+    }
+    void add(uint64_t address, int64_t t) {
+      seen.push_back({address, t});
+    }
+    void seal();  // sorts and fills the filter
+    // Seen at some time in [from, to].
+    bool seen_between(uint64_t address, int64_t from, int64_t to) const;
+    void clear() {
+      seen.clear();
+      filter.fill(0);
+    }
   };
 
   // One allocation made while recording, until its category is final.
@@ -170,6 +204,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   int64_t made_ns = 0;  // when the Audit was made (tracker clock): Note [A batch made between steps]
   int64_t baseline_named_bytes = 0;  // of the baseline, named since recording began (label, mark_input)
   std::vector<Span> spans;
+  Sightings grad_sightings;  // Note [Steps within a step]
+  bool inferred_optimizer = false;  // a step was inferred (no optimizer added)
+  int64_t inferred_state_bytes = 0;  // live OPTIMIZER_STATE at the last step's end, when inferred
   std::unique_ptr<PeakWindow> window;
   int backward_depth = 0;
   // What this audit learnt since the last phase change: kQuietForward once
@@ -235,6 +272,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::shared_ptr<torch::nn::Module> union_module() const;
   StaticBuckets buckets() const;
   std::unordered_map<uint64_t, Category> owners() const;
+  bool infers_optimizer() const;
   void refresh_grad_owners();
   void refresh_param_owners();
   static bool state_gone(const NamedOptimizer& o);
@@ -251,7 +289,9 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   Span optimizer_span(int64_t opt) const;
   void on_backward(bool begin, const torch::autograd::edge_list& roots);
   void on_optimizer_op(int64_t opt);
+  void on_no_grad_read();
   void on_forward_op();
+  void sight_grads(int64_t t);
   bool watching() const;
   void watch_start(const at::RecordFunction& fn);
   void watch_end(const at::RecordFunction& fn);
@@ -268,7 +308,8 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   std::optional<std::string> meter_note() const;
   static bool same_saves(const SavedTensorReport& a, const SavedTensorReport& b);
   // Ends the open micro-batch's meter; `waiting`: its saves still unnamed.
-  void close_meter(detail::WaitingSaves waiting = {});
+  // Returns the micro-batch's saved bytes (-1: no meter was open).
+  int64_t close_meter(detail::WaitingSaves waiting = {});
   // At a backward's start: names what it reaches of step_saved's waiting saves.
   void name_waiting_saves(const torch::autograd::edge_list& roots);
   // At the step's end: step_saved's saves no backward reached, "(unattributed)".
@@ -279,6 +320,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   void start_recording();
   void make_event_room(size_t incoming);
   bool push_event(const MemoryEvent& e);
+  const Span* span_at(int64_t t) const;
   Phase phase_at(int64_t t) const;
   int64_t first_backward_after(int64_t t) const;
   bool is_input(uint64_t address, int64_t alloc_ns) const;
