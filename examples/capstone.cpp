@@ -1,4 +1,4 @@
-// The seed's capstone, audited: six pre-LN transformer blocks (d 128, 4 heads)
+// The reference transformer's step, audited: six pre-LN transformer blocks (d 128, 4 heads)
 // on a fixed (16, 64, 128) input, loss out.pow(2).mean(), AdamW. Prints where
 // the step's memory goes: static buckets, saved activations by autograd node,
 // the 64 T B d per-layer prediction beside the measured figure, and the four
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
     trainmem::CpuMemoryTracker::install();
     torch::manual_seed(0);
     trainmem::TransformerOptions o;  // the capstone's model
-    const int64_t batch = trainmem::kCapstoneBatch, seq_len = trainmem::kCapstoneSeqLen;
+    const int64_t batch = trainmem::kReferenceBatch, seq_len = trainmem::kReferenceSeqLen;
     trainmem::Transformer model(o);
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
     auto x = torch::randn({batch, seq_len, o.d_model()});
@@ -64,12 +64,12 @@ int main(int argc, char** argv) {
     const auto buckets = trainmem::account(*model, opt);
     const auto saved = meter.report();
 
-    // The seed's four checkpointing variants, each metered, gradients
+    // The four checkpointing variants, each metered, gradients
     // compared with the plain run.
     const int64_t L = o.num_layers();
     const int64_t unit = 4 * batch * seq_len * o.d_model();
     std::vector<trainmem::VariantRun> runs;
-    for (const auto& plan : trainmem::seed_variants(L)) {
+    for (const auto& plan : trainmem::reference_variants(L)) {
       runs.push_back(trainmem::run_variant(model, x, plan));
     }
     // Optimizer step in backward: at the capstone's shape (activations
