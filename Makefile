@@ -29,7 +29,8 @@ export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_f
 # worktree elsewhere hits the cache that another checkout filled.
 export CCACHE_BASEDIR ?= $(CURDIR)
 
-# The demo is `trainmem audit` on its defaults: the seed's capstone, audited.
+# The demo is `trainmem audit` on its defaults: the reference transformer's step
+# (examples/capstone.cpp's model), audited.
 demo: build
 	@$(BUILD)/tools/trainmem/trainmem audit $(ARGS)
 

@@ -15,15 +15,15 @@
 
 namespace {
 
-using trainmem::kCapstoneBatch;
-using trainmem::kCapstoneSeqLen;
+using trainmem::kReferenceBatch;
+using trainmem::kReferenceSeqLen;
 
 struct Capstone {
   Capstone() { torch::manual_seed(0); }
   trainmem::TransformerOptions options;
   trainmem::Transformer model{options};
   torch::optim::AdamW opt{model->parameters(), torch::optim::AdamWOptions(1e-3)};
-  at::Tensor x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, options.d_model()});
+  at::Tensor x = torch::randn({kReferenceBatch, kReferenceSeqLen, options.d_model()});
 
   void step(const trainmem::BlockCheckpointing& plan, trainmem::SavedTensorMeter* meter) {
     opt.zero_grad();

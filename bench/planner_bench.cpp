@@ -12,17 +12,17 @@
 
 namespace {
 
-using trainmem::kCapstoneBatch;
-using trainmem::kCapstoneSeqLen;
+using trainmem::kReferenceBatch;
+using trainmem::kReferenceSeqLen;
 
 void BM_PlanCheckpointing(benchmark::State& state) {
   const auto o = trainmem::TransformerOptions().num_layers(state.range(0));
   const bool budget = state.range(1) != 0;
-  const int64_t peak = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen).predicted_peak_bytes;
+  const int64_t peak = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen).predicted_peak_bytes;
   const auto options = trainmem::PlanOptions().budget_bytes(budget ? peak * 6 / 10 : 0);
   trainmem::CheckpointPlan plan;
   for (auto _ : state) {
-    plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, options);
+    plan = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, options);
     benchmark::DoNotOptimize(plan.predicted_peak_bytes);
   }
   state.counters["num_profiles"] = static_cast<double>(plan.num_profiles);

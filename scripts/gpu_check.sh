@@ -37,11 +37,11 @@ cli=$GPU_BUILD/tools/trainmem/trainmem
 # the build, with $GPU_BUILD and $OUT set. Each counts as a stage in the
 # summary (pass = exit 0); its output goes to the log and to the screen.
 # Build their targets by adding them to EXTRA_TARGETS.
-EXTRA_TARGETS=(seed001)
+EXTRA_TARGETS=(explain_cuda_peaks)
 EXTRA_PROGRAMS=(
-  # examples/seed001's two experiments and the capstone per checkpointing variant:
+  # examples/explain_cuda_peaks's two experiments and the capstone per checkpointing variant:
   # predicted max_memory_allocated/reserved beside the measured.
-  "$GPU_BUILD/examples/seed001 --gpu"
+  "$GPU_BUILD/examples/explain_cuda_peaks --gpu"
 )
 # ------------------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ if [ "$SANITIZE" = all ] || [ "$SANITIZE" = asan ]; then
   # vptr: LibTorch's classes have RTTI from an uninstrumented build, and UBSan's
   # vptr check reports every cast through them (see scripts/sanitizers/README).
   asan_flags="-fsanitize=address,undefined -fno-sanitize=vptr -fno-sanitize-recover=undefined"
-  timed "ASan+UBSan build" configure_and_build "$SAN_BUILD" "$asan_flags" trainmem_tests trainmem_cli capstone mnist_audit plan_your_model seed001
+  timed "ASan+UBSan build" configure_and_build "$SAN_BUILD" "$asan_flags" trainmem_tests trainmem_cli capstone mnist_audit plan_your_model explain_cuda_peaks
   if [ $status = 0 ]; then
     export ASAN_OPTIONS="detect_leaks=1:detect_container_overflow=0:detect_odr_violation=0:abort_on_error=0:halt_on_error=1:suppressions=$supp/asan.supp"
     export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"

@@ -16,8 +16,8 @@
 
 namespace {
 
-using trainmem::kCapstoneBatch;
-using trainmem::kCapstoneSeqLen;
+using trainmem::kReferenceBatch;
+using trainmem::kReferenceSeqLen;
 
 int64_t node_bytes(const trainmem::SavedTensorReport& r, const std::string& node) {
   for (const auto& n : r.by_node) {
@@ -34,7 +34,7 @@ TEST(CapstoneTest, StaticBucketsMatchTheFormula) {
   const int64_t P = trainmem::transformer_num_params(o);
   EXPECT_EQ(P, 1189632);  // L (12 d^2 + 13 d)
 
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
   model->forward(x).pow(2).mean().backward();
   opt.step();
   const auto b = trainmem::account(*model, opt);
@@ -48,7 +48,7 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
   torch::manual_seed(0);
   trainmem::TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
 
   trainmem::SavedTensorMeter meter(*model);
   at::Tensor loss;
@@ -57,8 +57,8 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
     loss = model->forward(x).pow(2).mean();
   }
   const auto r = meter.report();
-  const auto estimate = trainmem::estimate_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen);
-  const int64_t predicted = trainmem::predicted_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen);
+  const auto estimate = trainmem::estimate_activation_bytes(o, kReferenceBatch, kReferenceSeqLen);
+  const int64_t predicted = trainmem::predicted_activation_bytes(o, kReferenceBatch, kReferenceSeqLen);
   EXPECT_EQ(predicted, 50331648);
   EXPECT_EQ(estimate.total_bytes, 51052544);
   EXPECT_EQ(r.saved_bytes, estimate.total_bytes) << trainmem::to_string(r);
@@ -67,14 +67,14 @@ TEST(CapstoneTest, SavedActivationsAreExplainedToTheByte) {
   EXPECT_NEAR(ratio, 1.014, 0.0005) << r.saved_bytes << " / " << predicted;
 
   // Where the bytes are, node by node (unit: one (B, T, d) fp32 tensor).
-  const int64_t L = o.num_layers(), unit = 4 * kCapstoneBatch * kCapstoneSeqLen * o.d_model();
-  const int64_t stats = 4 * kCapstoneBatch * kCapstoneSeqLen;  // one (B, T, 1) tensor
+  const int64_t L = o.num_layers(), unit = 4 * kReferenceBatch * kReferenceSeqLen * o.d_model();
+  const int64_t stats = 4 * kReferenceBatch * kReferenceSeqLen;  // one (B, T, 1) tensor
   EXPECT_EQ(node_bytes(r, "NativeLayerNormBackward0"), L * (2 * unit + 4 * stats));
   // (B, T, d) Linears run as mm on the flattened input plus a bias add.
   EXPECT_EQ(node_bytes(r, "MmBackward0"), L * 6 * unit);
   EXPECT_EQ(node_bytes(r, "GeluBackward0"), L * 4 * unit);
   EXPECT_EQ(node_bytes(r, "ScaledDotProductFlashAttentionForCpuBackward0"),
-            L * (4 * unit + 4 * kCapstoneBatch * o.num_heads() * kCapstoneSeqLen));
+            L * (4 * unit + 4 * kReferenceBatch * o.num_heads() * kReferenceSeqLen));
   EXPECT_EQ(node_bytes(r, "PowBackward0"), unit);
   loss.backward();
 }
@@ -89,11 +89,11 @@ TEST(CapstoneTest, FourVariantsSaveExactlyWhatTheyShould) {
   torch::manual_seed(0);
   trainmem::TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
   const int64_t L = o.num_layers();
-  const int64_t unit = 4 * kCapstoneBatch * kCapstoneSeqLen * o.d_model();  // 512 KiB
-  const int64_t extras = 4 * 4 * kCapstoneBatch * kCapstoneSeqLen            // LN mean, rstd x2
-      + 4 * kCapstoneBatch * o.num_heads() * kCapstoneSeqLen;                // SDPA log-sum-exp
+  const int64_t unit = 4 * kReferenceBatch * kReferenceSeqLen * o.d_model();  // 512 KiB
+  const int64_t extras = 4 * 4 * kReferenceBatch * kReferenceSeqLen            // LN mean, rstd x2
+      + 4 * kReferenceBatch * o.num_heads() * kReferenceSeqLen;                // SDPA log-sum-exp
   ASSERT_EQ(unit, 512 * 1024);
 
   const auto none = trainmem::run_variant(model, x, trainmem::BlockCheckpointing::none(L));
@@ -134,10 +134,10 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   torch::manual_seed(0);
   trainmem::TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
   const int64_t L = o.num_layers();
   std::vector<trainmem::VariantRun> runs;
-  for (const auto& plan : trainmem::seed_variants(L)) {
+  for (const auto& plan : trainmem::reference_variants(L)) {
     runs.push_back(trainmem::run_variant(model, x, plan));
   }
   const auto& none = runs[0];
@@ -156,7 +156,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   const auto predicted = trainmem::predict_step_peak(*meta, [&] {
-    return meta->forward(at::empty({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}, at::kMeta),
+    return meta->forward(at::empty({kReferenceBatch, kReferenceSeqLen, o.d_model()}, at::kMeta),
                          trainmem::BlockCheckpointing::selective(L, trainmem::save_matmuls_policy()))
         .pow(2)
         .mean();
@@ -164,7 +164,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
   std::cout << trainmem::to_string(predicted);
   EXPECT_EQ(predicted.phase, trainmem::StepPhase::kForward);
   // run_variant's x exists before its window; the prediction builds it inside.
-  const int64_t x_bytes = 4 * kCapstoneBatch * kCapstoneSeqLen * o.d_model();
+  const int64_t x_bytes = 4 * kReferenceBatch * kReferenceSeqLen * o.d_model();
   const int64_t measured = sel.peak_above_start_bytes + predicted.param_bytes + x_bytes;
   EXPECT_NEAR(static_cast<double>(predicted.peak_bytes), static_cast<double>(measured), 0.001 * measured);
 }
@@ -174,7 +174,7 @@ TEST(CapstoneTest, SelectivePeakIsBelowNonesOnceEarlierRunsAreNotCounted) {
 namespace {
 
 TEST(CapstoneTest, VariantsAreFoundByTheirNames) {
-  for (const auto& v : trainmem::seed_variants(6)) {
+  for (const auto& v : trainmem::reference_variants(6)) {
     const auto n = trainmem::BlockCheckpointing::named(6, v.name);
     EXPECT_EQ(n.name, v.name);
     EXPECT_EQ(n.blocks, v.blocks) << v.name;

@@ -26,35 +26,35 @@
 
 namespace {
 
-using trainmem::kCapstoneBatch;
-using trainmem::kCapstoneSeqLen;
+using trainmem::kReferenceBatch;
+using trainmem::kReferenceSeqLen;
 
 using trainmem::BlockCheckpointing;
 using trainmem::TransformerOptions;
 
 TEST(PlannerTest, AnalyticModelGivesTheFirstOrderAndKorthikantisFigures) {
   TransformerOptions o;  // the capstone
-  const auto first_order = trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen);
+  const auto first_order = trainmem::analytic_activation_bytes(o, kReferenceBatch, kReferenceSeqLen);
   EXPECT_EQ(first_order.total_bytes, 50331648);
-  EXPECT_EQ(first_order.total_bytes, trainmem::predicted_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen));
-  EXPECT_EQ(first_order.per_layer_bytes, 64 * kCapstoneSeqLen * kCapstoneBatch * o.d_model());
+  EXPECT_EQ(first_order.total_bytes, trainmem::predicted_activation_bytes(o, kReferenceBatch, kReferenceSeqLen));
+  EXPECT_EQ(first_order.per_layer_bytes, 64 * kReferenceSeqLen * kReferenceBatch * o.d_model());
   int64_t sum = 0;
   for (const auto& t : first_order.terms) sum += t.bytes;
   EXPECT_EQ(sum, first_order.total_bytes);
   // The exact count adds LayerNorm's mean/rstd, SDPA's log-sum-exp, the loss input.
-  EXPECT_EQ(trainmem::estimate_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen).total_bytes - first_order.total_bytes,
+  EXPECT_EQ(trainmem::estimate_activation_bytes(o, kReferenceBatch, kReferenceSeqLen).total_bytes - first_order.total_bytes,
             4 * 4 * 16 * 64 * 6 + 4 * 16 * 4 * 64 * 6 + 4 * 16 * 64 * 128);
 
   // Korthikanti et al.: 34 s b h + 5 a s^2 b bytes per layer (fp16, dropout, eager).
-  const auto k = trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::AnalyticActivationOptions::korthikanti());
+  const auto k = trainmem::analytic_activation_bytes(o, kReferenceBatch, kReferenceSeqLen, trainmem::AnalyticActivationOptions::korthikanti());
   const int64_t s = 64, b = 16, h = 128, a = 4;
   EXPECT_EQ(k.per_layer_bytes, 34 * s * b * h + 5 * a * s * s * b);
   EXPECT_EQ(k.per_layer_bytes, 5767168);
   EXPECT_EQ(k.total_bytes, 6 * 5767168);
   // fp16, no dropout, fused attention: 32 bytes per token-channel.
-  const auto f16 = trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::AnalyticActivationOptions().element_bytes(2));
+  const auto f16 = trainmem::analytic_activation_bytes(o, kReferenceBatch, kReferenceSeqLen, trainmem::AnalyticActivationOptions().element_bytes(2));
   EXPECT_EQ(f16.per_layer_bytes, 32 * s * b * h);
-  EXPECT_THROW(trainmem::analytic_activation_bytes(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::AnalyticActivationOptions().element_bytes(0)),
+  EXPECT_THROW(trainmem::analytic_activation_bytes(o, kReferenceBatch, kReferenceSeqLen, trainmem::AnalyticActivationOptions().element_bytes(0)),
                c10::Error);
 }
 
@@ -63,15 +63,15 @@ TEST(PlannerTest, MetaForwardSavesExactlyWhatTheCpuSaves) {
   TransformerOptions o;
   const int64_t L = o.num_layers();
   trainmem::Transformer cpu(o);
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   const std::vector<int64_t> expected = {51052544, 3670016, 27361280, 31981568};
-  const auto plans = trainmem::seed_variants(L);
+  const auto plans = trainmem::reference_variants(L);
   for (size_t i = 0; i < plans.size(); ++i) {
     const auto measured = trainmem::run_variant(cpu, x, plans[i]).saved;
     const auto predicted = trainmem::predict_saved_activations(*meta, [&] {
-      return meta->forward(at::empty({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}, at::kMeta), plans[i])
+      return meta->forward(at::empty({kReferenceBatch, kReferenceSeqLen, o.d_model()}, at::kMeta), plans[i])
           .pow(2)
           .mean();
     });
@@ -82,7 +82,8 @@ TEST(PlannerTest, MetaForwardSavesExactlyWhatTheCpuSaves) {
   EXPECT_THROW(trainmem::predict_saved_activations(*cpu, [&] { return cpu->forward(x); }), c10::Error);
 }
 
-// A stack of residual MLP blocks (seed 001's shape, scaled down).
+// A stack of residual MLP blocks (the checkpoint experiment's shape of
+// examples/explain_cuda_peaks.cpp, scaled down).
 struct MlpStackImpl : torch::nn::Module {
   MlpStackImpl(int64_t n, int64_t d) {
     for (int64_t i = 0; i < n; ++i) {
@@ -213,9 +214,10 @@ TEST(PlannerTest, PredictedStepPeakOfABatchNormNetCountsItsBuffers) {
       << trainmem::to_string(predicted);
 }
 
-// Seed 001's residual stack: x + Linear(GELU(Linear(x))) per block, h.sum().
-struct Seed001Stack : torch::nn::Module {
-  Seed001Stack(int64_t blocks, int64_t d) {
+// The checkpoint experiment's residual stack (examples/explain_cuda_peaks.cpp):
+// x + Linear(GELU(Linear(x))) per block, h.sum().
+struct ResidualMlpStack : torch::nn::Module {
+  ResidualMlpStack(int64_t blocks, int64_t d) {
     for (int64_t i = 0; i < blocks; ++i) {
       l1.push_back(register_module("l1_" + std::to_string(i), torch::nn::Linear(d, d)));
       l2.push_back(register_module("l2_" + std::to_string(i), torch::nn::Linear(d, d)));
@@ -232,18 +234,18 @@ struct Seed001Stack : torch::nn::Module {
   std::vector<torch::nn::Linear> l1, l2;
 };
 
-// Seed 001's experiment scaled down (residual Linear-GELU-Linear blocks, X
+// The checkpoint experiment scaled down (residual Linear-GELU-Linear blocks, X
 // requiring grad, loss h.sum(), no optimizer), store-all and one checkpoint
 // per block: the meta prediction is the CPU's peak to the byte. Both peaks
 // fall in the last block's backward, while a CPU matmul holds its contiguous
 // clone of h.sum()'s expanded gradient (rows x d fp32); the checkpointed run
 // also holds each block's CPU RNG stash (Note [CPU matmul operand copies on
 // meta], Note [Checkpoint RNG copies on meta]).
-TEST(PlannerTest, PredictedStepPeakOfSeed001sStackIsExact) {
+TEST(PlannerTest, PredictedStepPeakOfTheResidualMlpStackIsExact) {
   trainmem::CpuMemoryTracker::install();
   constexpr int64_t kBlocks = 4, kD = 64, kRows = 4096;
   torch::manual_seed(0);
-  Seed001Stack cpu(kBlocks, kD), meta(kBlocks, kD);
+  ResidualMlpStack cpu(kBlocks, kD), meta(kBlocks, kD);
   trainmem::to_meta(meta);
   auto xc = torch::randn({kRows, kD}).requires_grad_(true);
   auto xm = at::empty({kRows, kD}, at::kMeta).requires_grad_(true);
@@ -253,7 +255,7 @@ TEST(PlannerTest, PredictedStepPeakOfSeed001sStackIsExact) {
     xm.mutable_grad().reset();
     const auto measured = trainmem::measure_step_peak(cpu, [&] { return cpu.run(xc, ckpt); });
     const auto predicted = trainmem::predict_step_peak(meta, [&] { return meta.run(xm, ckpt); });
-    std::cout << "seed 001 stack, checkpointed " << ckpt << ": predicted " << predicted.peak_bytes
+    std::cout << "residual MLP stack, checkpointed " << ckpt << ": predicted " << predicted.peak_bytes
               << " B, measured " << measured.peak_bytes << " B\n";
     EXPECT_EQ(predicted.peak_bytes, measured.peak_bytes) << "checkpointed " << ckpt;
     EXPECT_EQ(predicted.phase, trainmem::StepPhase::kBackward);
@@ -275,12 +277,12 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
   trainmem::Transformer meta(o);
   trainmem::to_meta(*meta);
   torch::optim::AdamW meta_opt(meta->parameters(), torch::optim::AdamWOptions(1e-3));
-  for (const auto& plan : trainmem::seed_variants(L)) {
+  for (const auto& plan : trainmem::reference_variants(L)) {
     const auto measured = trainmem::measure_step_peak(*cpu, [&] {
-      return cpu->forward(torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}), plan).pow(2).mean();
+      return cpu->forward(torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()}), plan).pow(2).mean();
     }, &cpu_opt);
     const auto predicted = trainmem::predict_step_peak(*meta, [&] {
-      return meta->forward(at::empty({kCapstoneBatch, kCapstoneSeqLen, o.d_model()}, at::kMeta), plan)
+      return meta->forward(at::empty({kReferenceBatch, kReferenceSeqLen, o.d_model()}, at::kMeta), plan)
           .pow(2)
           .mean();
     }, &meta_opt);
@@ -315,7 +317,7 @@ TEST(PlannerTest, PredictedStepPeakIsWithinTolerance) {
 // every_2).
 TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllButTheLast) {
   TransformerOptions o;
-  const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen);
+  const auto plan = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen);
   std::cout << trainmem::to_string(plan);
   EXPECT_TRUE(plan.feasible);
   EXPECT_EQ(plan.name, "none");
@@ -331,7 +333,7 @@ TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllBut
   // 29,551,560 B = the meta step's 29,546,504 B + block 0's CPU RNG state
   // (5,056 B), which the planner counts: the same to the byte.
   EXPECT_EQ(plan.min_peak_bytes, 29546504 + 5056);
-  const auto tight = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(plan.min_peak_bytes));
+  const auto tight = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, trainmem::PlanOptions().budget_bytes(plan.min_peak_bytes));
   ASSERT_TRUE(tight.feasible);
   for (int64_t i = 0; i + 1 < o.num_layers(); ++i) {
     EXPECT_EQ(tight.blocks[i].mode, trainmem::BlockMode::kCheckpoint) << i;
@@ -342,14 +344,14 @@ TEST(PlannerTest, PlanWithoutBudgetIsNoneAndItsSmallestPeakIsCheckpointingAllBut
 
 TEST(PlannerTest, ImpossibleBudgetSaysTheSmallestReachablePeakAndItsCost) {
   TransformerOptions o;
-  const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(20 << 20));
+  const auto plan = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, trainmem::PlanOptions().budget_bytes(20 << 20));
   EXPECT_FALSE(plan.feasible);
   EXPECT_EQ(plan.min_peak_bytes, 29546504 + 5056);
   EXPECT_EQ(plan.predicted_peak_bytes, plan.min_peak_bytes);  // the plan given is that one
   EXPECT_EQ(plan.recompute_cost, plan.min_peak_cost);
   EXPECT_GT(plan.min_peak_cost, 0.0);
   EXPECT_NE(trainmem::to_string(plan).find("NO PLAN FITS"), std::string::npos);
-  EXPECT_THROW(trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(-1)), c10::Error);
+  EXPECT_THROW(trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, trainmem::PlanOptions().budget_bytes(-1)), c10::Error);
 }
 
 // Raising the budget never raises the recompute cost; lowering it never
@@ -364,7 +366,7 @@ TEST(PlannerTest, PlansAreMonotoneInTheBudget) {
     const int64_t budget = mib << 20;
     for (bool selective : {true, false}) {
       const auto plan = trainmem::plan_checkpointing(
-          o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(budget).selective(selective));
+          o, kReferenceBatch, kReferenceSeqLen, trainmem::PlanOptions().budget_bytes(budget).selective(selective));
       if (!plan.feasible) {
         EXPECT_GT(plan.min_peak_bytes, budget);
         continue;
@@ -395,10 +397,10 @@ TEST(PlannerTest, PlannedStepRunsAsPredicted) {
   TransformerOptions o;
   torch::manual_seed(0);
   trainmem::Transformer model(o);
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
   const auto plain = trainmem::run_variant(model, x, BlockCheckpointing::none(o.num_layers()));
   for (int64_t budget : {int64_t{40} << 20, int64_t{32} << 20}) {
-    const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(budget));
+    const auto plan = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, trainmem::PlanOptions().budget_bytes(budget));
     ASSERT_TRUE(plan.feasible) << budget;
     const auto checkpointing = plan.checkpointing();
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -424,7 +426,7 @@ TEST(PlannerTest, SegmentsKeepOneInputPerRegion) {
   torch::manual_seed(0);
   TransformerOptions o;
   trainmem::Transformer model(o);
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
   const auto plain = trainmem::run_variant(model, x, BlockCheckpointing::none(6));
   const auto sqrt6 = BlockCheckpointing::sqrt(6);
   EXPECT_EQ(sqrt6.name, "sqrt");
@@ -488,7 +490,7 @@ TEST(PlannerTest, MeasuredOpTimesDriveThePlanToo) {
   TransformerOptions o;
   torch::manual_seed(0);
   trainmem::Transformer model(o);
-  auto x = torch::randn({kCapstoneBatch, kCapstoneSeqLen, o.d_model()});
+  auto x = torch::randn({kReferenceBatch, kReferenceSeqLen, o.d_model()});
   const auto cost = trainmem::measured_op_cost([&] { model->forward(x); }, 2);
   auto a = at::empty({1024, 128}, at::kMeta), w = at::empty({128, 384}, at::kMeta);
   std::vector<c10::IValue> args = {a, w};
@@ -496,7 +498,7 @@ TEST(PlannerTest, MeasuredOpTimesDriveThePlanToo) {
   auto big = at::empty({4096, 4096}, at::kMeta);
   std::vector<c10::IValue> unseen = {big, big};
   EXPECT_GT(cost(trainmem::SelectiveOp{"aten::mm", "default", unseen}), 0.0);  // FLOPs x s/FLOP
-  const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, trainmem::PlanOptions().budget_bytes(40 << 20).op_cost(cost));
+  const auto plan = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, trainmem::PlanOptions().budget_bytes(40 << 20).op_cost(cost));
   ASSERT_TRUE(plan.feasible);
   EXPECT_LE(plan.predicted_peak_bytes, 40 << 20);
   EXPECT_GT(plan.recompute_cost, 0.0);

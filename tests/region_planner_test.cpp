@@ -1,5 +1,5 @@
-// The planner on any model given as regions (plan_regions): seed 001's
-// residual MLP stack (scaled down), GPT (gpt.h), a region with an op that has
+// The planner on any model given as regions (plan_regions): the checkpoint
+// experiment's residual MLP stack (scaled down), GPT (gpt.h), a region with an op that has
 // no meta kernel, the reference transformer as a client (its plans
 // unchanged), and the region adapters. For each model: the saved bytes the
 // plan predicts on meta equal the CPU meter's, the predicted step peak is
@@ -29,8 +29,8 @@
 
 namespace {
 
-using trainmem::kCapstoneBatch;
-using trainmem::kCapstoneSeqLen;
+using trainmem::kReferenceBatch;
+using trainmem::kReferenceSeqLen;
 
 using trainmem::BlockMode;
 using trainmem::CheckpointPlan;
@@ -40,7 +40,8 @@ using trainmem::RegionModel;
 using trainmem::testing::check_model;
 using trainmem::testing::grads_under;
 
-// Seed 001's block: x + Linear(GELU(Linear(x))), scaled down.
+// The checkpoint experiment's block (examples/explain_cuda_peaks.cpp):
+// x + Linear(GELU(Linear(x))), scaled down.
 struct ResidualMlpImpl : torch::nn::Module {
   explicit ResidualMlpImpl(int64_t d)
       : net(register_module("net", torch::nn::Sequential(torch::nn::Linear(d, d), torch::nn::GELU(),
@@ -241,7 +242,7 @@ TEST(RegionPlannerTest, CapstonePlansAreUnchanged) {
        {4718592, 4718592, 4718592, 5259264, 5259264, 8421376}},
   };
   for (const auto& e : expected) {
-    const auto plan = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, PlanOptions().budget_bytes(e.budget_mib << 20));
+    const auto plan = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, PlanOptions().budget_bytes(e.budget_mib << 20));
     ASSERT_TRUE(plan.feasible);
     EXPECT_EQ(plan.predicted_peak_bytes, e.peak_bytes) << e.budget_mib << " MiB\n" << to_string(plan);
     EXPECT_EQ(plan.min_peak_bytes, 29551560);
@@ -252,7 +253,7 @@ TEST(RegionPlannerTest, CapstonePlansAreUnchanged) {
       EXPECT_EQ(plan.blocks[i].stored_bytes, e.stored_bytes[i]) << e.budget_mib << " MiB, block " << i;
     }
   }
-  const auto plan40 = trainmem::plan_checkpointing(o, kCapstoneBatch, kCapstoneSeqLen, PlanOptions().budget_bytes(40 << 20));
+  const auto plan40 = trainmem::plan_checkpointing(o, kReferenceBatch, kReferenceSeqLen, PlanOptions().budget_bytes(40 << 20));
   EXPECT_EQ(plan40.blocks[2].saved_ops, (std::vector<std::string>{"aten::mm.default#0", "aten::mm.default#1"}));
   EXPECT_EQ(plan40.blocks[3].saved_ops,
             (std::vector<std::string>{"aten::mm.default#0", "aten::mm.default#1", "aten::mm.default#2"}));

@@ -51,7 +51,7 @@ TEST(TrainerTest, CheckpointVariantsSaveWhatTheDemoExplains) {
   EXPECT_EQ(trainmem::train(one_step().checkpoint("selective")).report.saved_activation_bytes, 31981568);
 }
 
-// Seed 001's accumulation rung: k micro-batches give the full batch's
+// Gradient accumulation: k micro-batches give the full batch's
 // gradients, and backward holds one micro-batch's activations.
 TEST(TrainerTest, AccumulationMatchesTheFullBatch) {
   const auto full = trainmem::train(one_step().keep_grads(true));

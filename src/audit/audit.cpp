@@ -527,6 +527,37 @@ Timeline Audit::take_timeline() {
   return t;
 }
 
+namespace {
+
+// The category breakdown at each of r.phases' highest points, and at the
+// peak: one pass over the events, never the whole series in memory.
+void note_category_peaks(const Timeline& timeline, AuditReport& r) {
+  TimelinePoint p;
+  p.bytes = timeline.baseline_bytes;
+  int64_t best = p.total_bytes();
+  r.peak_by_category = p.bytes;
+  size_t ph = 0;
+  int64_t top = -1;
+  for (const auto& e : timeline.events) {
+    p.bytes[static_cast<int>(e.category)] += e.bytes;
+    const int64_t total = p.total_bytes();
+    while (ph < r.phases.size() && e.time_ns > r.phases[ph].end_ns) {
+      ++ph;
+      top = -1;
+    }
+    if (ph < r.phases.size() && e.time_ns >= r.phases[ph].begin_ns && total > top) {
+      top = total;
+      r.phases[ph].peak_by_category = p.bytes;
+    }
+    if (total > best) {
+      best = total;
+      r.peak_by_category = p.bytes;
+    }
+  }
+}
+
+} // namespace
+
 AuditReport Audit::report() const {
   const auto& s = *impl_;
   TORCH_CHECK(!s.open, "Audit::report: step ", s.step_index, " is still open; call end_step() first");
@@ -567,30 +598,7 @@ AuditReport Audit::report() const {
   r.fragmentation = fragmentation(r.device_stats);
   r.phases = s.timeline.phases;
   if (!s.timeline.events.empty()) {
-    // Category breakdown at each phase's highest point, and at the peak: one
-    // pass over the events, never the whole series in memory.
-    TimelinePoint p;
-    p.bytes = s.timeline.baseline_bytes;
-    int64_t best = p.total_bytes();
-    r.peak_by_category = p.bytes;
-    size_t ph = 0;
-    int64_t top = -1;
-    for (const auto& e : s.timeline.events) {
-      p.bytes[static_cast<int>(e.category)] += e.bytes;
-      const int64_t total = p.total_bytes();
-      while (ph < r.phases.size() && e.time_ns > r.phases[ph].end_ns) {
-        ++ph;
-        top = -1;
-      }
-      if (ph < r.phases.size() && e.time_ns >= r.phases[ph].begin_ns && total > top) {
-        top = total;
-        r.phases[ph].peak_by_category = p.bytes;
-      }
-      if (total > best) {
-        best = total;
-        r.peak_by_category = p.bytes;
-      }
-    }
+    note_category_peaks(s.timeline, r);
     r.series = live_bytes(s.timeline, s.options.max_points());
   }
   if (s.timeline.num_dropped_events > 0) {

@@ -201,25 +201,25 @@ void drop_init_record(const at::Tensor& t) {
   }
 }
 
-void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                   torch::jit::Stack* stack, bool factory) {
-  InitRecord* rec = tls_record.get();
-  if (rec == nullptr || tls_paused > 0) {
-    scope.call_next(op, ks, stack);
-    return;
-  }
-  // Nothing here may dispatch an op: this thread's ops come back to us.
-  const auto& schema = op.schema();
-  const size_t n = schema.arguments().size();
-  const size_t base = stack->size() - n;
-  InitStep step(op);
-  bool involved = factory;
+namespace {
+
+// A recorded call's arguments read into its step: each meta tensor by its
+// record's value id (this record's, or an older one's, which becomes a
+// dependency), each real one as a constant; and what that says about the
+// call: whether it involves the record, why it cannot be replayed.
+struct ArgReader {
+  ArgReader(const c10::OperatorHandle& o, InitRecord* r, bool factory) : op(o), rec(r), involved(factory) {}
+
+  const c10::OperatorHandle& op;
+  InitRecord* rec;
+  bool involved;
   bool real_args = false;
   std::string skip;       // an argument the replay cannot make
   std::string taint_in;   // an argument whose values cannot be replayed
   std::vector<std::pair<const c10::TensorImpl*, InitSlot>> inputs;  // meta arguments
   std::vector<const c10::StorageImpl*> read;
-  auto slot_of = [&](const at::Tensor& t) {
+
+  InitSlot slot_of(const at::Tensor& t) {
     InitSlot s;
     if (!t.defined()) {
       return s;
@@ -256,73 +256,67 @@ void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c
     }
     inputs.emplace_back(t.unsafeGetTensorImpl(), s);
     return s;
-  };
-  for (size_t i = 0; i < n; ++i) {
-    const c10::IValue& v = (*stack)[base + i];
-    InitArg a;
-    if (v.isTensor()) {
-      a.kind = InitArgKind::kTensor;
-      a.slots.push_back(slot_of(v.toTensor()));
-    } else if (v.isTensorList()) {
-      a.kind = InitArgKind::kTensorList;
-      for (const at::Tensor& t : v.toTensorList().vec()) {
-        a.slots.push_back(slot_of(t));
-      }
-    } else if (v.isList() && std::any_of(v.toListRef().begin(), v.toListRef().end(),
-                                         [](const c10::IValue& e) { return e.isTensor(); })) {
-      a.kind = InitArgKind::kOptionalTensorList;  // Tensor?[]
-      for (const c10::IValue& e : v.toListRef()) {
-        a.slots.push_back(e.isTensor() ? slot_of(e.toTensor()) : InitSlot{});
-      }
-    } else {
-      a.value = v;
-    }
-    step.args.push_back(std::move(a));
   }
-  if (!involved) {
-    // A real tensor's draw between recorded draws: the replay would draw in
-    // another order than a CPU construction.
-    if (real_args && rec->drew_random && rec->hazard.empty() && draws_random(schema)) {
-      rec->hazard = fmt::format("{} drew random numbers for a real tensor between the construction's draws",
-                                op_name(op));
+
+  // The `n` arguments from `base` on the stack, into step.args.
+  void read_args(const torch::jit::Stack& stack, size_t base, size_t n, InitStep& step) {
+    for (size_t i = 0; i < n; ++i) {
+      const c10::IValue& v = stack[base + i];
+      InitArg a;
+      if (v.isTensor()) {
+        a.kind = InitArgKind::kTensor;
+        a.slots.push_back(slot_of(v.toTensor()));
+      } else if (v.isTensorList()) {
+        a.kind = InitArgKind::kTensorList;
+        for (const at::Tensor& t : v.toTensorList().vec()) {
+          a.slots.push_back(slot_of(t));
+        }
+      } else if (v.isList() && std::any_of(v.toListRef().begin(), v.toListRef().end(),
+                                           [](const c10::IValue& e) { return e.isTensor(); })) {
+        a.kind = InitArgKind::kOptionalTensorList;  // Tensor?[]
+        for (const c10::IValue& e : v.toListRef()) {
+          a.slots.push_back(e.isTensor() ? slot_of(e.toTensor()) : InitSlot{});
+        }
+      } else {
+        a.value = v;
+      }
+      step.args.push_back(std::move(a));
     }
-    scope.call_next(op, ks, stack);
-    return;
   }
-  // The arguments it writes (Tensor(a!)), held for the call.
-  std::vector<at::Tensor> written_args;
+};
+
+// The arguments the op writes (Tensor(a!)), held for the call.
+std::vector<at::Tensor> written_args(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base,
+                                     size_t n) {
+  std::vector<at::Tensor> written;
   for (size_t i = 0; i < n; ++i) {
     const auto* alias = schema.arguments()[i].alias_info();
     if (alias == nullptr || !alias->isWrite()) {
       continue;
     }
-    const c10::IValue& v = (*stack)[base + i];
+    const c10::IValue& v = stack[base + i];
     if (v.isTensor()) {
-      written_args.push_back(v.toTensor());
+      written.push_back(v.toTensor());
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList().vec()) {
-        written_args.push_back(t);
+        written.push_back(t);
       }
     }
   }
+  return written;
+}
 
-  try {
-    scope.call_next(op, ks, stack);
-  } catch (...) {
-    // Nothing is recorded; a construction that goes on (it caught this) may
-    // take another path than a CPU construction, where the op ran.
-    if (rec->hazard.empty()) {
-      rec->hazard = fmt::format("{} threw on meta, where a CPU construction runs it (control flow after it "
-                                "may differ)",
-                                op_name(op));
-    }
-    throw;
-  }
-
+// The call's returns, into step.outputs: each meta tensor tagged with a new
+// value id of `rec` (an argument written in place keeps its own); each
+// appended to `written`. Returns why control flow after the call may differ
+// from a CPU construction ("" if it cannot).
+std::string record_outputs(const c10::OperatorHandle& op, const torch::jit::Stack& stack, const ArgReader& args,
+                           std::vector<at::Tensor>& written, InitStep& step) {
+  InitRecord* rec = args.rec;
+  const auto& schema = op.schema();
   const size_t num_returns = schema.returns().size();
-  const size_t rbase = stack->size() - num_returns;
+  const size_t rbase = stack.size() - num_returns;
   std::string read_back;
-  std::vector<at::Tensor> written = written_args;
   auto output_id = [&](const at::Tensor& t) -> int64_t {
     if (!t.defined()) {
       return -1;
@@ -333,7 +327,7 @@ void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c
       return -1;
     }
     written.push_back(t);
-    for (const auto& [impl, slot] : inputs) {
+    for (const auto& [impl, slot] : args.inputs) {
       if (impl == t.unsafeGetTensorImpl()) {
         if (slot.record == rec) {
           return slot.id;  // in place: the same value
@@ -349,7 +343,7 @@ void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c
     return id;
   };
   for (size_t i = 0; i < num_returns; ++i) {
-    const c10::IValue& v = (*stack)[rbase + i];
+    const c10::IValue& v = stack[rbase + i];
     std::vector<int64_t> ids;
     if (v.isTensor()) {
       ids.push_back(output_id(v.toTensor()));
@@ -364,11 +358,16 @@ void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c
     }
     step.outputs.push_back(std::move(ids));
   }
+  return read_back;
+}
 
-  const int64_t index = static_cast<int64_t>(rec->steps.size());
-  const std::string taint = !skip.empty() ? skip : !taint_in.empty() ? taint_in : rec->hazard;
-  for (const c10::StorageImpl* s : read) {
-    if (auto it = rec->storages.find(s); it != rec->storages.end()) {
+// The storages the step read and wrote: their last step, the taint of what
+// it wrote, and the older records' storages it changed.
+void note_storages(const c10::OperatorHandle& op, InitRecord& rec, const ArgReader& args,
+                   const std::vector<at::Tensor>& written, const std::string& taint, InitStep& step) {
+  const int64_t index = static_cast<int64_t>(rec.steps.size());
+  for (const c10::StorageImpl* s : args.read) {
+    if (auto it = rec.storages.find(s); it != rec.storages.end()) {
       it->second.last_step = index;
     }
   }
@@ -376,7 +375,7 @@ void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c
     if (!t.is_meta()) {
       continue;
     }
-    InitStorage& s = storage_state(*rec, t);
+    InitStorage& s = storage_state(rec, t);
     s.last_step = index;
     if (!taint.empty() && s.taint.empty()) {
       s.taint = taint;
@@ -385,29 +384,78 @@ void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c
     // An older record's storage written here: its tensors that keep that
     // record's tag (all but those returned, which are now this record's) no
     // longer hold what that record makes.
-    for (const auto& dep : rec->deps) {
+    for (const auto& dep : rec.deps) {
       if (auto it = dep->storages.find(t.storage().unsafeGetStorageImpl());
           it != dep->storages.end() && it->second.taint.empty()) {
         it->second.taint = fmt::format("{} changed it under a later MetaInitGuard", op_name(op));
       }
     }
   }
-  step.touched.insert(step.touched.end(), read.begin(), read.end());
-  step.skip = skip;
-  const bool random = draws_random(schema);
-  if (!skip.empty() && random && rec->hazard.empty()) {
-    rec->hazard = fmt::format("{} drew random numbers and cannot be replayed ({})", op_name(op), skip);
+  step.touched.insert(step.touched.end(), args.read.begin(), args.read.end());
+}
+
+} // namespace
+
+void call_recorded(const InterceptScope& scope, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                   torch::jit::Stack* stack, bool factory) {
+  InitRecord* rec = tls_record.get();
+  if (rec == nullptr || tls_paused > 0) {
+    scope.call_next(op, ks, stack);
+    return;
   }
-  rec->drew_random = rec->drew_random || (skip.empty() && random);
+  // Nothing here may dispatch an op: this thread's ops come back to us.
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+  InitStep step(op);
+  ArgReader args(op, rec, factory);
+  args.read_args(*stack, base, n, step);
+  if (!args.involved) {
+    // A real tensor's draw between recorded draws: the replay would draw in
+    // another order than a CPU construction.
+    if (args.real_args && rec->drew_random && rec->hazard.empty() && draws_random(schema)) {
+      rec->hazard = fmt::format("{} drew random numbers for a real tensor between the construction's draws",
+                                op_name(op));
+    }
+    scope.call_next(op, ks, stack);
+    return;
+  }
+  std::vector<at::Tensor> written = written_args(schema, *stack, base, n);
+
+  try {
+    scope.call_next(op, ks, stack);
+  } catch (...) {
+    // Nothing is recorded; a construction that goes on (it caught this) may
+    // take another path than a CPU construction, where the op ran.
+    if (rec->hazard.empty()) {
+      rec->hazard = fmt::format("{} threw on meta, where a CPU construction runs it (control flow after it "
+                                "may differ)",
+                                op_name(op));
+    }
+    throw;
+  }
+
+  const std::string read_back = record_outputs(op, *stack, args, written, step);
+  const std::string taint = !args.skip.empty() ? args.skip : !args.taint_in.empty() ? args.taint_in : rec->hazard;
+  note_storages(op, *rec, args, written, taint, step);
+  step.skip = args.skip;
+  const bool random = draws_random(schema);
+  if (!args.skip.empty() && random && rec->hazard.empty()) {
+    rec->hazard = fmt::format("{} drew random numbers and cannot be replayed ({})", op_name(op), args.skip);
+  }
+  rec->drew_random = rec->drew_random || (args.skip.empty() && random);
   rec->steps.push_back(std::move(step));
   if (!read_back.empty() && rec->hazard.empty()) {
     rec->hazard = read_back;
   }
 }
 
-std::vector<at::Tensor> replay_init(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                    c10::Device device) {
-  // The records, with the older ones they read, oldest first.
+namespace {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The records that made `tensors`, with the older ones they read, oldest first.
+std::vector<InitRecord*> records_oldest_first(const NamedTensors& tensors) {
   std::vector<InitRecord*> order;
   std::unordered_set<const InitRecord*> seen;
   std::vector<InitRecord*> todo;
@@ -427,12 +475,12 @@ std::vector<at::Tensor> replay_init(const std::vector<std::pair<std::string, at:
     }
   }
   std::sort(order.begin(), order.end(), [](const InitRecord* a, const InitRecord* b) { return a->seq < b->seq; });
-  std::unordered_map<const InitRecord*, size_t> at_of;
-  for (size_t k = 0; k < order.size(); ++k) {
-    at_of[order[k]] = k;
-  }
+  return order;
+}
 
-  // What the record already knows it cannot replay, before anything is allocated.
+// Refuses what the records already know they cannot replay, before anything
+// is allocated.
+void check_untainted(const NamedTensors& tensors) {
   std::vector<std::string> refused;
   for (const auto& [name, t] : tensors) {
     InitRecord* r = tag_of(t)->record.get();
@@ -446,175 +494,235 @@ std::vector<at::Tensor> replay_init(const std::vector<std::pair<std::string, at:
               fmt::format("{}", fmt::join(refused.begin(), refused.begin() + static_cast<std::ptrdiff_t>(shown), "; nor ")),
               refused.size() > shown ? fmt::format(" (and {} more)", refused.size() - shown) : "",
               "; nothing was allocated. Initialize it after materialize(), or load it with load_into()");
+}
 
-  // Each value's last use (a global step index); the wanted ones are kept.
-  constexpr int64_t kKeep = std::numeric_limits<int64_t>::max();
-  std::vector<std::vector<int64_t>> last(order.size());
-  std::vector<std::vector<at::Tensor>> env(order.size());
-  for (size_t k = 0; k < order.size(); ++k) {
-    last[k].assign(static_cast<size_t>(order[k]->num_values), -1);
-    env[k].resize(static_cast<size_t>(order[k]->num_values));
+// One replay of `order`'s steps on `device`: each record's values (`env`,
+// by record and value id), each released after its last use (a global step
+// index; the wanted ones kept).
+class Replay {
+ public:
+  Replay(const NamedTensors& tensors, std::vector<InitRecord*> order, c10::Device device)
+      : tensors_(tensors), order_(std::move(order)), device_(device) {
+    for (size_t k = 0; k < order_.size(); ++k) {
+      at_of_[order_[k]] = k;
+    }
+    note_last_uses();
   }
-  int64_t g = 0;
-  for (size_t k = 0; k < order.size(); ++k) {
-    for (const InitStep& step : order[k]->steps) {
-      for (const InitArg& a : step.args) {
-        for (const InitSlot& s : a.slots) {
-          if (s.record != nullptr) {
-            last[at_of.at(s.record)][static_cast<size_t>(s.id)] = g;
-          }
+
+  // Replays every step, oldest record first, in order.
+  void run() {
+    at::NoGradGuard no_grad;
+    int64_t g = 0;
+    for (size_t k = 0; k < order_.size(); ++k) {
+      const auto& steps = order_[k]->steps;
+      for (size_t local = 0; local < steps.size(); ++local, ++g) {
+        const InitStep& step = steps[local];
+        bool ready = step.skip.empty();
+        torch::jit::Stack stack = arguments(k, static_cast<int64_t>(local), step, ready);
+        if (ready) {
+          call(k, static_cast<int64_t>(local), step, stack);
         }
+        stack.clear();
+        release_after(k, step, g);
       }
-      for (const auto& ids : step.outputs) {
-        for (int64_t id : ids) {
-          if (id >= 0) {
-            last[k][static_cast<size_t>(id)] = g;
-          }
-        }
-      }
-      ++g;
     }
   }
-  for (const auto& [name, t] : tensors) {
-    InitTag* tag = tag_of(t);
-    last[at_of.at(tag->record.get())][static_cast<size_t>(tag->id)] = kKeep;
+
+  // The real counterparts of the wanted tensors, in order.
+  std::vector<at::Tensor> results() const {
+    std::vector<at::Tensor> real;
+    real.reserve(tensors_.size());
+    for (const auto& [name, t] : tensors_) {
+      InitTag* tag = tag_of(t);
+      at::Tensor r = env_[at_of_.at(tag->record.get())][static_cast<size_t>(tag->id)];
+      TORCH_CHECK(r.defined(), "materialize: cannot give ", name,
+                  " the values its construction gave: a step that made it could not be replayed; nothing was "
+                  "changed");
+      TORCH_CHECK(r.sizes() == t.sizes() && r.scalar_type() == t.scalar_type(), "materialize: the replay gave ",
+                  name, " size ", r.sizes(), " and dtype ", r.scalar_type(), ", but it has size ", t.sizes(),
+                  " and dtype ", t.scalar_type(), " on meta");
+      real.push_back(std::move(r));
+    }
+    return real;
+  }
+
+ private:
+  // Each value's last use (a global step index); the wanted ones are kept.
+  void note_last_uses() {
+    constexpr int64_t kKeep = std::numeric_limits<int64_t>::max();
+    last_.resize(order_.size());
+    env_.resize(order_.size());
+    for (size_t k = 0; k < order_.size(); ++k) {
+      last_[k].assign(static_cast<size_t>(order_[k]->num_values), -1);
+      env_[k].resize(static_cast<size_t>(order_[k]->num_values));
+    }
+    int64_t g = 0;
+    for (size_t k = 0; k < order_.size(); ++k) {
+      for (const InitStep& step : order_[k]->steps) {
+        for (const InitArg& a : step.args) {
+          for (const InitSlot& s : a.slots) {
+            if (s.record != nullptr) {
+              last_[at_of_.at(s.record)][static_cast<size_t>(s.id)] = g;
+            }
+          }
+        }
+        for (const auto& ids : step.outputs) {
+          for (int64_t id : ids) {
+            if (id >= 0) {
+              last_[k][static_cast<size_t>(id)] = g;
+            }
+          }
+        }
+        ++g;
+      }
+    }
+    for (const auto& [name, t] : tensors_) {
+      InitTag* tag = tag_of(t);
+      last_[at_of_.at(tag->record.get())][static_cast<size_t>(tag->id)] = kKeep;
+    }
   }
 
   // The tensor a failed step is named by: one it wrote, else the first made after it.
-  auto name_for = [&](size_t k, int64_t local, const InitStep& step) -> std::string {
-    for (const auto& [name, t] : tensors) {
+  std::string name_for(size_t k, int64_t local, const InitStep& step) const {
+    for (const auto& [name, t] : tensors_) {
       const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
       if (std::find(step.touched.begin(), step.touched.end(), s) != step.touched.end()) {
         return name;
       }
     }
-    for (const auto& [name, t] : tensors) {
+    for (const auto& [name, t] : tensors_) {
       InitRecord* r = tag_of(t)->record.get();
       auto it = r->storages.find(t.storage().unsafeGetStorageImpl());
-      if (at_of.at(r) > k || (r == order[k] && it != r->storages.end() && it->second.last_step >= local)) {
+      if (at_of_.at(r) > k || (r == order_[k] && it != r->storages.end() && it->second.last_step >= local)) {
         return name + " (made after it)";
       }
     }
-    return tensors.front().first;
-  };
-  auto fail = [&](size_t k, int64_t local, const InitStep& step, const std::string& why) {
-    TORCH_CHECK(false, "materialize: cannot give ", name_for(k, local, step),
-                " the values its construction gave: ", op_name(step.op), " ", why, " on ", device,
-                "; nothing was changed");
-  };
+    return tensors_.front().first;
+  }
 
-  at::NoGradGuard no_grad;
-  g = 0;
-  for (size_t k = 0; k < order.size(); ++k) {
-    const auto& steps = order[k]->steps;
-    for (size_t local = 0; local < steps.size(); ++local, ++g) {
-      const InitStep& step = steps[local];
-      torch::jit::Stack stack;
-      bool ready = step.skip.empty();
-      auto value_of = [&](const InitSlot& s) -> at::Tensor {
-        if (s.record != nullptr) {
-          const at::Tensor& v = env[at_of.at(s.record)][static_cast<size_t>(s.id)];
-          ready = ready && v.defined();
-          return v;
+  void fail(size_t k, int64_t local, const InitStep& step, const std::string& why) const {
+    TORCH_CHECK(false, "materialize: cannot give ", name_for(k, local, step),
+                " the values its construction gave: ", op_name(step.op), " ", why, " on ", device_,
+                "; nothing was changed");
+  }
+
+  // A slot's real value: the record's (`ready` false when it has none), or
+  // the constant, refused when it changed since the construction.
+  at::Tensor value_of(const InitSlot& s, size_t k, int64_t local, const InitStep& step, bool& ready) const {
+    if (s.record != nullptr) {
+      const at::Tensor& v = env_[at_of_.at(s.record)][static_cast<size_t>(s.id)];
+      ready = ready && v.defined();
+      return v;
+    }
+    if (s.constant.defined() && s.version >= 0) {
+      const auto now = static_cast<int64_t>(s.constant.unsafeGetTensorImpl()->version_counter().current_version());
+      if (now != s.version) {
+        fail(k, local, step,
+             fmt::format("read a real tensor of size {} that was changed after the construction (version {}, "
+                         "now {}), so it cannot be replayed",
+                         s.constant.sizes(), s.version, now));
+      }
+    }
+    return s.constant;
+  }
+
+  // The step's arguments on the device.
+  torch::jit::Stack arguments(size_t k, int64_t local, const InitStep& step, bool& ready) const {
+    torch::jit::Stack stack;
+    for (const InitArg& a : step.args) {
+      switch (a.kind) {
+        case InitArgKind::kValue:
+          if (a.value.isDevice() && a.value.toDevice().is_meta()) {
+            stack.emplace_back(device_);
+          } else {
+            stack.push_back(a.value);
+          }
+          break;
+        case InitArgKind::kTensor:
+          stack.emplace_back(value_of(a.slots[0], k, local, step, ready));
+          break;
+        case InitArgKind::kTensorList: {
+          c10::List<at::Tensor> list;
+          for (const InitSlot& s : a.slots) {
+            list.push_back(value_of(s, k, local, step, ready));
+          }
+          stack.emplace_back(std::move(list));
+          break;
         }
-        if (s.constant.defined() && s.version >= 0) {
-          const auto now = static_cast<int64_t>(s.constant.unsafeGetTensorImpl()->version_counter().current_version());
-          if (now != s.version) {
-            fail(k, static_cast<int64_t>(local), step,
-                 fmt::format("read a real tensor of size {} that was changed after the construction (version {}, "
-                             "now {}), so it cannot be replayed",
-                             s.constant.sizes(), s.version, now));
+        case InitArgKind::kOptionalTensorList: {
+          c10::List<std::optional<at::Tensor>> list;
+          for (const InitSlot& s : a.slots) {
+            at::Tensor v = value_of(s, k, local, step, ready);
+            list.push_back(v.defined() || s.record != nullptr ? std::optional<at::Tensor>(v) : std::nullopt);
           }
-        }
-        return s.constant;
-      };
-      for (const InitArg& a : step.args) {
-        switch (a.kind) {
-          case InitArgKind::kValue:
-            if (a.value.isDevice() && a.value.toDevice().is_meta()) {
-              stack.emplace_back(device);
-            } else {
-              stack.push_back(a.value);
-            }
-            break;
-          case InitArgKind::kTensor:
-            stack.emplace_back(value_of(a.slots[0]));
-            break;
-          case InitArgKind::kTensorList: {
-            c10::List<at::Tensor> list;
-            for (const InitSlot& s : a.slots) {
-              list.push_back(value_of(s));
-            }
-            stack.emplace_back(std::move(list));
-            break;
-          }
-          case InitArgKind::kOptionalTensorList: {
-            c10::List<std::optional<at::Tensor>> list;
-            for (const InitSlot& s : a.slots) {
-              at::Tensor v = value_of(s);
-              list.push_back(v.defined() || s.record != nullptr ? std::optional<at::Tensor>(v) : std::nullopt);
-            }
-            stack.emplace_back(std::move(list));
-            break;
-          }
+          stack.emplace_back(std::move(list));
+          break;
         }
       }
-      if (ready) {
-        try {
-          step.op.callBoxed(&stack);
-        } catch (const c10::Error& e) {
-          fail(k, static_cast<int64_t>(local), step, fmt::format("failed ({})", e.what_without_backtrace()));
-        }
-        for (size_t i = 0; i < step.outputs.size() && i < stack.size(); ++i) {
-          const auto& ids = step.outputs[i];
-          if (stack[i].isTensor() && ids.size() == 1 && ids[0] >= 0) {
-            env[k][static_cast<size_t>(ids[0])] = stack[i].toTensor();
-          } else if (stack[i].isTensorList()) {
-            const auto list = stack[i].toTensorList().vec();
-            for (size_t j = 0; j < ids.size() && j < list.size(); ++j) {
-              if (ids[j] >= 0) {
-                env[k][static_cast<size_t>(ids[j])] = list[j];
-              }
-            }
+    }
+    return stack;
+  }
+
+  // Runs the step on `stack` and keeps the values it returned.
+  void call(size_t k, int64_t local, const InitStep& step, torch::jit::Stack& stack) {
+    try {
+      step.op.callBoxed(&stack);
+    } catch (const c10::Error& e) {
+      fail(k, local, step, fmt::format("failed ({})", e.what_without_backtrace()));
+    }
+    for (size_t i = 0; i < step.outputs.size() && i < stack.size(); ++i) {
+      const auto& ids = step.outputs[i];
+      if (stack[i].isTensor() && ids.size() == 1 && ids[0] >= 0) {
+        env_[k][static_cast<size_t>(ids[0])] = stack[i].toTensor();
+      } else if (stack[i].isTensorList()) {
+        const auto list = stack[i].toTensorList().vec();
+        for (size_t j = 0; j < ids.size() && j < list.size(); ++j) {
+          if (ids[j] >= 0) {
+            env_[k][static_cast<size_t>(ids[j])] = list[j];
           }
-        }
-      }
-      stack.clear();
-      // Real values released after their last use.
-      auto release = [&](size_t kk, int64_t id) {
-        if (id >= 0 && last[kk][static_cast<size_t>(id)] == g) {
-          env[kk][static_cast<size_t>(id)].reset();
-        }
-      };
-      for (const InitArg& a : step.args) {
-        for (const InitSlot& s : a.slots) {
-          if (s.record != nullptr) {
-            release(at_of.at(s.record), s.id);
-          }
-        }
-      }
-      for (const auto& ids : step.outputs) {
-        for (int64_t id : ids) {
-          release(k, id);
         }
       }
     }
   }
 
-  std::vector<at::Tensor> real;
-  real.reserve(tensors.size());
-  for (const auto& [name, t] : tensors) {
-    InitTag* tag = tag_of(t);
-    at::Tensor r = env[at_of.at(tag->record.get())][static_cast<size_t>(tag->id)];
-    TORCH_CHECK(r.defined(), "materialize: cannot give ", name,
-                " the values its construction gave: a step that made it could not be replayed; nothing was "
-                "changed");
-    TORCH_CHECK(r.sizes() == t.sizes() && r.scalar_type() == t.scalar_type(), "materialize: the replay gave ",
-                name, " size ", r.sizes(), " and dtype ", r.scalar_type(), ", but it has size ", t.sizes(),
-                " and dtype ", t.scalar_type(), " on meta");
-    real.push_back(std::move(r));
+  // Real values released after their last use, global step `g`.
+  void release_after(size_t k, const InitStep& step, int64_t g) {
+    auto release = [&](size_t kk, int64_t id) {
+      if (id >= 0 && last_[kk][static_cast<size_t>(id)] == g) {
+        env_[kk][static_cast<size_t>(id)].reset();
+      }
+    };
+    for (const InitArg& a : step.args) {
+      for (const InitSlot& s : a.slots) {
+        if (s.record != nullptr) {
+          release(at_of_.at(s.record), s.id);
+        }
+      }
+    }
+    for (const auto& ids : step.outputs) {
+      for (int64_t id : ids) {
+        release(k, id);
+      }
+    }
   }
-  return real;
+
+  const NamedTensors& tensors_;
+  std::vector<InitRecord*> order_;
+  c10::Device device_;
+  std::unordered_map<const InitRecord*, size_t> at_of_;
+  std::vector<std::vector<int64_t>> last_;
+  std::vector<std::vector<at::Tensor>> env_;
+};
+
+} // namespace
+
+std::vector<at::Tensor> replay_init(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                    c10::Device device) {
+  auto order = records_oldest_first(tensors);
+  check_untainted(tensors);
+  Replay replay(tensors, std::move(order), device);
+  replay.run();
+  return replay.results();
 }
 
 } // namespace trainmem::detail

@@ -59,41 +59,43 @@ int64_t standin_bytes(const Arg& a) {
   return a.shared ? static_cast<int64_t>(a.tensor.storage().nbytes()) : extent_bytes(a.tensor);
 }
 
-// Collects the call's tensors and checks what the fallback can stand in for;
-// the key of the call (empty when it cannot be cached).
-std::string describe(Call& call, const torch::jit::Stack& args) {
+namespace {
+
+// The call's tensor arguments, flattened, each marked written when its
+// schema says so (in place, out=); and whether it takes a generator.
+void collect_tensors(Call& call, const torch::jit::Stack& args) {
   const auto& schema = call.op->schema();
-  std::ostringstream key;
-  key << call.name;
-  std::unordered_map<const c10::StorageImpl*, int> group_of;
-  std::vector<int> members;
   map_tensors(args, [&](int /*k*/, const at::Tensor& t) {
     call.tensors.push_back({t});
     return t;
   });
-  // Written arguments (in place, out=): their schema says so.
-  {
-    int k = 0;
-    for (size_t i = 0; i < args.size(); ++i) {
-      const auto* alias = schema.arguments()[i].alias_info();
-      const bool written = alias != nullptr && alias->isWrite();
-      auto count = [&](const c10::IValue& v) {
-        if (v.isTensor()) {
-          call.tensors[k++].written = written;
-        } else if (v.isList()) {
-          for (const c10::IValue& e : v.toList()) {
-            if (e.isTensor()) {
-              call.tensors[k++].written = written;
-            }
+  int k = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    const bool written = alias != nullptr && alias->isWrite();
+    auto count = [&](const c10::IValue& v) {
+      if (v.isTensor()) {
+        call.tensors[k++].written = written;
+      } else if (v.isList()) {
+        for (const c10::IValue& e : v.toList()) {
+          if (e.isTensor()) {
+            call.tensors[k++].written = written;
           }
         }
-      };
-      count(args[i]);
-      if (args[i].isGenerator()) {
-        call.has_generator = true;
       }
+    };
+    count(args[i]);
+    if (args[i].isGenerator()) {
+      call.has_generator = true;
     }
   }
+}
+
+// Groups the meta arguments by storage (refusing one with no strided
+// storage), and marks those that share theirs with another argument.
+void group_storages(Call& call) {
+  std::unordered_map<const c10::StorageImpl*, int> group_of;
+  std::vector<int> members;
   for (auto& a : call.tensors) {
     const at::Tensor& t = a.tensor;
     if (!t.defined() || !t.is_meta()) {
@@ -118,62 +120,78 @@ std::string describe(Call& call, const torch::jit::Stack& args) {
       a.shared = members[a.group] > 1;
     }
   }
-  for (size_t i = 0, k = 0; i < args.size(); ++i) {
-    const auto& v = args[i];
-    auto tensor_key = [&](const Arg& a) {
-      const at::Tensor& t = a.tensor;
-      if (!t.defined()) {
-        key << " -";
-        return;
-      }
-      if (t.is_meta()) {
-        key << fmt::format(" M{}{}:{}[{}/{}]+{}:{}{}{}{}{}", a.group, a.shared ? "s" : "",
-                           c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","), fmt::join(t.strides(), ","),
-                           t.storage_offset(),
-                           a.shared ? static_cast<int64_t>(t.storage().nbytes()) : extent_bytes(t),
-                           a.written ? "w" : "", t.unsafeGetTensorImpl()->is_wrapped_number() ? "n" : "",
-                           t.is_conj() ? "c" : "", t.is_neg() ? "g" : "");
-        return;
-      }
-      TORCH_CHECK_NOT_IMPLEMENTED(t.is_cpu() && t.layout() == at::kStrided && !t.is_quantized(),
-                                  refusal(call.name, fmt::format("it got a {} tensor beside meta ones",
-                                                                 c10::str(t.device()))));
-      TORCH_CHECK_NOT_IMPLEMENTED(!a.written,
-                                  refusal(call.name, "it writes a CPU tensor it got beside meta ones"));
-      // Real data: its values may matter; small ones are part of the key.
-      key << fmt::format(" C:{}[{}/{}]{}", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","),
-                         fmt::join(t.strides(), ","), t.unsafeGetTensorImpl()->is_wrapped_number() ? "n" : "");
-      if (t.numel() <= 16) {
-        key << "=" << bytes_hex(t);
+}
+
+// One tensor argument's part of the key: a meta one by its layout and
+// storage group, a CPU one by its layout and (when small) its bytes.
+void append_tensor_key(std::ostringstream& key, Call& call, const Arg& a) {
+  const at::Tensor& t = a.tensor;
+  if (!t.defined()) {
+    key << " -";
+    return;
+  }
+  if (t.is_meta()) {
+    key << fmt::format(" M{}{}:{}[{}/{}]+{}:{}{}{}{}{}", a.group, a.shared ? "s" : "",
+                       c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","), fmt::join(t.strides(), ","),
+                       t.storage_offset(), a.shared ? static_cast<int64_t>(t.storage().nbytes()) : extent_bytes(t),
+                       a.written ? "w" : "", t.unsafeGetTensorImpl()->is_wrapped_number() ? "n" : "",
+                       t.is_conj() ? "c" : "", t.is_neg() ? "g" : "");
+    return;
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(t.is_cpu() && t.layout() == at::kStrided && !t.is_quantized(),
+                              refusal(call.name, fmt::format("it got a {} tensor beside meta ones",
+                                                             c10::str(t.device()))));
+  TORCH_CHECK_NOT_IMPLEMENTED(!a.written, refusal(call.name, "it writes a CPU tensor it got beside meta ones"));
+  // Real data: its values may matter; small ones are part of the key.
+  key << fmt::format(" C:{}[{}/{}]{}", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ","),
+                     fmt::join(t.strides(), ","), t.unsafeGetTensorImpl()->is_wrapped_number() ? "n" : "");
+  if (t.numel() <= 16) {
+    key << "=" << bytes_hex(t);
+  } else {
+    call.cacheable = false;
+  }
+}
+
+// One argument's part of the key; `k` walks the flattened tensors.
+void append_arg_key(std::ostringstream& key, Call& call, const c10::IValue& v, size_t& k) {
+  if (v.isTensor()) {
+    append_tensor_key(key, call, call.tensors[k++]);
+  } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+    key << " [";
+    for (const c10::IValue& e : v.toList()) {
+      if (e.isTensor()) {
+        append_tensor_key(key, call, call.tensors[k++]);
       } else {
-        call.cacheable = false;
+        key << " " << e;
       }
-    };
-    if (v.isTensor()) {
-      tensor_key(call.tensors[k++]);
-    } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
-      key << " [";
-      for (const c10::IValue& e : v.toList()) {
-        if (e.isTensor()) {
-          tensor_key(call.tensors[k++]);
-        } else {
-          key << " " << e;
-        }
-      }
-      key << " ]";
-    } else if (v.isStorage()) {
-      TORCH_CHECK_NOT_IMPLEMENTED(!v.toStorage().device().is_meta(),
-                                  refusal(call.name, "the fallback has no stand-in for a meta storage argument"));
-      call.cacheable = false;
-      key << " storage";
-    } else if (v.isGenerator()) {
-      key << " generator";
-    } else if (v.isObject() || v.isCapsule() || v.isFuture() || v.isStream()) {
-      call.cacheable = false;
-      key << " ?";
-    } else {
-      key << " " << v;
     }
+    key << " ]";
+  } else if (v.isStorage()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!v.toStorage().device().is_meta(),
+                                refusal(call.name, "the fallback has no stand-in for a meta storage argument"));
+    call.cacheable = false;
+    key << " storage";
+  } else if (v.isGenerator()) {
+    key << " generator";
+  } else if (v.isObject() || v.isCapsule() || v.isFuture() || v.isStream()) {
+    call.cacheable = false;
+    key << " ?";
+  } else {
+    key << " " << v;
+  }
+}
+
+} // namespace
+
+// Collects the call's tensors and checks what the fallback can stand in for;
+// the key of the call (empty when it cannot be cached).
+std::string describe(Call& call, const torch::jit::Stack& args) {
+  collect_tensors(call, args);
+  group_storages(call);
+  std::ostringstream key;
+  key << call.name;
+  for (size_t i = 0, k = 0; i < args.size(); ++i) {
+    append_arg_key(key, call, args[i], k);
   }
   key << fmt::format("|threads {}|mkldnn {}", at::get_num_threads(), at::globalContext().userEnabledMkldnn());
   return key.str();

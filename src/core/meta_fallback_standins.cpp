@@ -170,80 +170,108 @@ void fill_ones(StandIns& s, const Call& call) {
   }
 }
 
-// Runs the CPU kernel on `s` and reads what it gave. Throws what the kernel throws.
-Result run_cpu(const Call& call, StandIns& s) {
-  const auto& schema = call.op->schema();
-  torch::jit::Stack stack = map_tensors(*call.args, [&](int k, const at::Tensor&) { return s.cpu[k]; });
-  std::vector<const void*> data_before;
+// The stand-ins' storages and layouts before the kernel runs, to see which
+// written arguments it reallocated or reshaped.
+struct Before {
+  std::vector<const void*> data;
+  std::vector<int64_t> bytes;
+  std::vector<Layout> layout;
+};
+
+Before before_run(const StandIns& s) {
+  Before b;
   for (const auto& st : s.storages) {
-    data_before.push_back(st ? st.data_ptr().get() : nullptr);
+    b.data.push_back(st ? st.data_ptr().get() : nullptr);
   }
-  std::vector<int64_t> bytes_before;
-  std::vector<Layout> layout_before;
   for (size_t k = 0; k < s.cpu.size(); ++k) {
     const auto& st = s.storages[k];
-    bytes_before.push_back(st ? static_cast<int64_t>(st.nbytes()) : 0);
-    layout_before.push_back(s.cpu[k].defined() ? layout_of(s.cpu[k], s.shift[k]) : Layout());
+    b.bytes.push_back(st ? static_cast<int64_t>(st.nbytes()) : 0);
+    b.layout.push_back(s.cpu[k].defined() ? layout_of(s.cpu[k], s.shift[k]) : Layout());
   }
+  return b;
+}
+
+// Runs the CPU kernel on `stack` with the CPU generators kept; the CPU bytes
+// it rose by at its peak.
+int64_t run_kernel(const Call& call, torch::jit::Stack& stack) {
   auto& tracker = CpuMemoryTracker::install();
-  int64_t rise = 0;
-  {
-    KeepGenerators generators(call, *call.args);
-    PeakWindow window(tracker);
-    call.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
-    rise = window.peak_bytes() - window.start_bytes();
-  }
-  Result r;
-  std::unordered_map<const c10::StorageImpl*, int> fresh_of;
-  std::unordered_map<const c10::StorageImpl*, int> standin_of;  // a stand-in storage -> an argument on it
-  std::unordered_map<const c10::TensorImpl*, int> arg_of;
-  for (size_t k = 0; k < s.cpu.size(); ++k) {
-    if (s.cpu[k].defined()) {
-      arg_of.emplace(s.cpu[k].unsafeGetTensorImpl(), static_cast<int>(k));
-      if (s.cpu[k].has_storage()) {
-        standin_of.emplace(s.cpu[k].storage().unsafeGetStorageImpl(), static_cast<int>(k));
+  KeepGenerators generators(call, *call.args);
+  PeakWindow window(tracker);
+  call.op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+  return window.peak_bytes() - window.start_bytes();
+}
+
+// Says what each tensor the kernel returned is: an argument, a view of a
+// meta argument's stand-in, or a fresh storage (counted in r.fresh_bytes and
+// out_bytes); a refusal in r.refused for what no meta tensor stands for.
+class OutputReader {
+ public:
+  OutputReader(const Call& call, const StandIns& s, Result& r) : call_(call), s_(s), r_(r) {
+    for (size_t k = 0; k < s.cpu.size(); ++k) {
+      if (s.cpu[k].defined()) {
+        arg_of_.emplace(s.cpu[k].unsafeGetTensorImpl(), static_cast<int>(k));
+        if (s.cpu[k].has_storage()) {
+          standin_of_.emplace(s.cpu[k].storage().unsafeGetStorageImpl(), static_cast<int>(k));
+        }
       }
     }
   }
-  int64_t out_bytes = 0;
-  auto classify = [&](const at::Tensor& t) -> Output {
+
+  Output classify(const at::Tensor& t) {
     Output o;
     if (!t.defined()) {
       return o;
     }
-    if (auto it = arg_of.find(t.unsafeGetTensorImpl()); it != arg_of.end()) {
+    if (auto it = arg_of_.find(t.unsafeGetTensorImpl()); it != arg_of_.end()) {
       o.kind = Output::Kind::kArg;
       o.index = it->second;
       return o;
     }
     if (!t.is_cpu() || t.layout() != at::kStrided || t.is_quantized() || !t.has_storage()) {
-      r.refused = refusal(call.name,
-                          fmt::format("its CPU kernel returns a {} {} tensor, which no meta tensor stands for",
-                                      t.is_quantized() ? "quantized" : c10::str(t.layout()), c10::str(t.device())));
+      r_.refused = refusal(call_.name,
+                           fmt::format("its CPU kernel returns a {} {} tensor, which no meta tensor stands for",
+                                       t.is_quantized() ? "quantized" : c10::str(t.layout()), c10::str(t.device())));
       return o;
     }
     const auto* storage = t.storage().unsafeGetStorageImpl();
-    if (auto it = standin_of.find(storage); it != standin_of.end() && call.tensors[it->second].tensor.is_meta()) {
+    if (auto it = standin_of_.find(storage);
+        it != standin_of_.end() && call_.tensors[it->second].tensor.is_meta()) {
       o.kind = Output::Kind::kView;
       o.index = it->second;
-      o.layout = layout_of(t, s.shift[it->second]);
+      o.layout = layout_of(t, s_.shift[it->second]);
       return o;
     }
-    if (auto it = standin_of.find(storage); it != standin_of.end()) {
-      r.refused = refusal(call.name, "its CPU kernel returns a view of a CPU tensor it got beside meta ones");
+    if (auto it = standin_of_.find(storage); it != standin_of_.end()) {
+      r_.refused = refusal(call_.name, "its CPU kernel returns a view of a CPU tensor it got beside meta ones");
       return o;
     }
-    auto [it, fresh] = fresh_of.emplace(storage, static_cast<int>(r.fresh_bytes.size()));
+    auto [it, fresh] = fresh_of_.emplace(storage, static_cast<int>(r_.fresh_bytes.size()));
     if (fresh) {
-      r.fresh_bytes.push_back(static_cast<int64_t>(storage->nbytes()));
-      out_bytes += static_cast<int64_t>(storage->nbytes());
+      r_.fresh_bytes.push_back(static_cast<int64_t>(storage->nbytes()));
+      out_bytes_ += static_cast<int64_t>(storage->nbytes());
     }
     o.kind = Output::Kind::kFresh;
     o.index = it->second;
     o.layout = layout_of(t);
     return o;
-  };
-  const auto& returns = schema.returns();
+  }
+
+  // The bytes of the fresh storages returned.
+  int64_t out_bytes() const { return out_bytes_; }
+
+ private:
+  const Call& call_;
+  const StandIns& s_;
+  Result& r_;
+  std::unordered_map<const c10::StorageImpl*, int> fresh_of_;
+  std::unordered_map<const c10::StorageImpl*, int> standin_of_;  // a stand-in storage -> an argument on it
+  std::unordered_map<const c10::TensorImpl*, int> arg_of_;
+  int64_t out_bytes_ = 0;
+};
+
+// r.returns from what the kernel left on `stack`.
+void read_returns(const Call& call, const torch::jit::Stack& stack, OutputReader& reader, Result& r) {
+  const auto& returns = call.op->schema().returns();
   TORCH_INTERNAL_ASSERT(stack.size() == returns.size(), call.name, ": ", stack.size(), " values for ", returns.size(),
                         " returns");
   for (const auto& v : stack) {
@@ -251,32 +279,50 @@ Result run_cpu(const Call& call, StandIns& s) {
     if (v.isNone()) {
       ret.items.emplace_back();
     } else if (v.isTensor()) {
-      ret.items.push_back(classify(v.toTensor()));
+      ret.items.push_back(reader.classify(v.toTensor()));
     } else if (v.isTensorList()) {
       ret.is_list = true;
       for (const at::Tensor& t : v.toTensorVector()) {
-        ret.items.push_back(classify(t));
+        ret.items.push_back(reader.classify(t));
       }
     } else {
       refuse_values(call.name, fmt::format("it returns a {}", v.tagKind()));
     }
     r.returns.push_back(std::move(ret));
   }
+}
+
+// r.mutations: the written meta arguments whose layout the kernel changed;
+// the bytes of those it reallocated.
+int64_t read_mutations(const Call& call, const StandIns& s, const Before& before, Result& r) {
+  int64_t reallocated = 0;
   for (size_t k = 0; k < s.cpu.size(); ++k) {
     const Arg& a = call.tensors[k];
     if (!a.written || !a.tensor.defined() || !a.tensor.is_meta()) {
       continue;
     }
     const at::Tensor& c = s.cpu[k];
-    if (c.storage().data_ptr().get() != data_before[k] ||
-        static_cast<int64_t>(c.storage().nbytes()) != bytes_before[k]) {
-      out_bytes += static_cast<int64_t>(c.storage().nbytes());  // reallocated inside the window
+    if (c.storage().data_ptr().get() != before.data[k] ||
+        static_cast<int64_t>(c.storage().nbytes()) != before.bytes[k]) {
+      reallocated += static_cast<int64_t>(c.storage().nbytes());  // reallocated inside the window
     }
     const Layout after = layout_of(c, s.shift[k]);
-    if (!(after == layout_before[k])) {
+    if (!(after == before.layout[k])) {
       r.mutations.push_back({static_cast<int>(k), after});
     }
   }
+  return reallocated;
+}
+
+// Runs the CPU kernel on `s` and reads what it gave. Throws what the kernel throws.
+Result run_cpu(const Call& call, StandIns& s) {
+  torch::jit::Stack stack = map_tensors(*call.args, [&](int k, const at::Tensor&) { return s.cpu[k]; });
+  const Before before = before_run(s);
+  const int64_t rise = run_kernel(call, stack);
+  Result r;
+  OutputReader reader(call, s, r);
+  read_returns(call, stack, reader, r);
+  const int64_t out_bytes = reader.out_bytes() + read_mutations(call, s, before, r);
   r.scratch_bytes = std::max<int64_t>(0, rise - out_bytes);
   return r;
 }

@@ -165,8 +165,12 @@ struct StepPrediction {
 // Its peak is the step's; the phases are not split (forward, backward and
 // optimizer peaks stay 0), and the scaler's own 8 B (scale and growth
 // tracker) are not in the start, as they are no module's or optimizer's.
-// Gradient accumulation is predicted the same way: its micro-batches'
-// backward passes, then one step.
+// The loss stays alive until the scaler's update, as in GradScaler's loop
+// (`loss` is named, then scaled, unscaled, stepped): its fp32 scalar (4 B)
+// is live at a peak inside the optimizer step, which full checkpointing
+// makes the step's. Gradient accumulation is predicted the same way: its
+// micro-batches' backward passes, then one step; there each micro-batch's
+// loss is gone with its backward, and with fp16 the last one is kept.
 // `loss_on(device)`: the loss function as the precision runs it for `device`.
 using LossOn = std::function<std::function<at::Tensor()>(c10::DeviceType)>;
 
@@ -193,6 +197,7 @@ StepPrediction predict_step(torch::nn::Module& module, const LossOn& loss_on, to
         param.mutable_grad().reset();
       }
       const auto loss_fn_on = loss_on(device);
+      at::Tensor kept;  // fp16: the last loss, alive through the scaler's step
       for (int64_t i = 0; i < k; ++i) {
         at::Tensor loss = loss_fn_on();
         if (k > 1) {
@@ -200,6 +205,9 @@ StepPrediction predict_step(torch::nn::Module& module, const LossOn& loss_on, to
         }
         if (fp16) {
           scaler.scale(loss).backward();
+          if (i == k - 1) {
+            kept = loss;
+          }
         } else {
           loss.backward();
         }
@@ -223,38 +231,6 @@ StepPrediction predict_step(torch::nn::Module& module, const LossOn& loss_on, to
     r.cuda = predict_cuda_step_function({&module}, {&opt}, step_on(c10::kCUDA, scaler), *o.cuda());
   }
   return r;
-}
-
-// estimate_model()'s fp16 step (Note [fp16 autocast as a step function]),
-// with an optimizer and a scaler of its own for each prediction.
-template <typename LossOn>
-void predict_fp16_steps(ModelEstimate& e, const HfModel& model, const std::vector<at::Tensor>& trainable,
-                        const LossOn& loss_on) {
-  const auto step_on = [&](c10::DeviceType device, torch::optim::Optimizer& opt, GradScaler& scaler) {
-    return [&, device] {
-      for (auto& p : model.module->parameters()) {
-        p.mutable_grad().reset();
-      }
-      const at::Tensor loss = loss_on(device)();
-      scaler.scale(loss).backward();
-      scaler.unscale_(opt);
-      scaler.step(opt);
-      scaler.update();
-    };
-  };
-  {
-    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
-    GradScaler scaler;
-    const auto f = predict_step_function({model.module.get()}, {&opt}, step_on(c10::kCPU, opt, scaler));
-    e.step_phases_split = false;
-    e.step_peak = function_peak(f, e.saved_bytes);
-  }
-  if (e.options.cuda()) {
-    torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
-    GradScaler scaler;
-    e.cuda = predict_cuda_step_function({model.module.get()}, {&opt}, step_on(c10::kCUDA, opt, scaler),
-                                        *e.options.cuda());
-  }
 }
 
 // Note [bf16 weights with fp32 master weights]
@@ -377,26 +353,21 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
     e.recipes.push_back(shard_static_bytes(predict_static_bytes(*model.module, r), sharding));
   }
 
-  const bool fp16 = o.precision() == Precision::kFp16Autocast;
-  const bool amp = o.precision() == Precision::kBf16Autocast || fp16;
-  // The batch made outside the autocast region, the model's loss inside it.
-  const LossOn loss_on = [&](c10::DeviceType device) -> std::function<at::Tensor()> {
-    return [&, device] {
-      const auto tokens = at::empty({o.batch(), o.seq_len()}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
-      const auto loss = [&] { return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan); };
-      return amp ? run_under_autocast(device, fp16 ? at::kHalf : at::kBFloat16, loss) : loss();
-    };
+  // One micro-batch of tokens made on meta, the model's loss of it.
+  const std::function<at::Tensor()> loss_fn = [&] {
+    const auto tokens = at::empty({o.batch(), o.seq_len()}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
+    return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan);
   };
-  if (fp16 || o.precision() == Precision::kBf16Master) {
-    e.saved_bytes = predict_saved_activations(*model.module, loss_on(c10::kCPU)).saved_bytes;
-    if (fp16) {
-      predict_fp16_steps(e, model, trainable, loss_on);
-    } else {
-      predict_master_steps(e, model, trainable, loss_on);
-    }
+  if (o.precision() == Precision::kBf16Master) {
+    // The masters are a module beside the model and the optimizer steps
+    // them, not the model: a step estimate() cannot be given.
+    const LossOn loss_on = [&](c10::DeviceType) { return loss_fn; };
+    e.saved_bytes = predict_saved_activations(*model.module, loss_fn).saved_bytes;
+    predict_master_steps(e, model, trainable, loss_on);
   } else {
+    // Any other precision is estimate()'s step of the model with AdamW.
     torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-3));
-    auto r = predict_step(*model.module, loss_on, opt, EstimateOptions().precision(o.precision()).cuda(o.cuda()));
+    auto r = estimate(*model.module, loss_fn, opt, EstimateOptions().precision(o.precision()).cuda(o.cuda()));
     e.saved_bytes = r.saved_bytes;
     e.step_peak = r.step_peak;
     e.step_phases_split = r.step_phases_split;

@@ -90,7 +90,7 @@ namespace {
 // The meta kernels do not, so a meta run missed these bytes. The common
 // case is the gradient of a sum: ones expanded to the output's shape
 // (strides 0, 0), the first gradient of backward; both matmuls of the last
-// Linear's backward clone it (examples/seed001.cpp's X of 16384 x 1024:
+// Linear's backward clone it (examples/explain_cuda_peaks.cpp's X of 16384 x 1024:
 // 67,108,864 B each, one at a time).
 // cpu_blas_operand_copy_bytes() repeats the kernel's choice for the output
 // and both operands; the meta step below holds a meta tensor of those bytes

@@ -331,6 +331,26 @@ void note_outputs(const std::vector<at::Tensor>& xs, std::vector<at::Tensor>& ys
   }
 }
 
+// The run's input boundary, once the outputs are gone (only autograd can
+// hold an input then; `xs` is left holding each tensor once): each input's
+// bytes (counted at its first slot) and whether autograd keeps it; an output
+// on an input's storage is kept as that input is.
+void note_inputs(std::vector<at::Tensor>& xs, BlockProfile& prof) {
+  const auto same_in = hold_once(xs);
+  prof.in_bytes.assign(xs.size(), 0);
+  prof.in_kept.assign(xs.size(), false);
+  for (size_t s = 0; s < xs.size(); ++s) {
+    const auto& x = xs[same_in[s]];
+    prof.in_bytes[s] = same_in[s] == static_cast<int>(s) ? storage_bytes(x) : 0;
+    prof.in_kept[s] = kept_by_autograd(x);
+  }
+  for (size_t t = 0; t < prof.out_kept.size(); ++t) {
+    if (prof.out_alias[t] >= 0) {
+      prof.out_kept[t] = prof.in_kept[prof.out_alias[t]];
+    }
+  }
+}
+
 // The peak of backward from `loss` above `after_forward` (0 without a loss).
 int64_t backward_transient(ByteCounter& counter, const at::Tensor& loss, bool cpu, int64_t after_forward) {
   counter.reset_peak();
@@ -429,6 +449,16 @@ at::Tensor stand_in_loss(const std::vector<at::Tensor>& ys) {
   return loss;
 }
 
+// What the step's meter will count for this run: its own parameters and
+// buffers excluded, as SavedTensorMeter(module) excludes the model's.
+void exclude_run_modules(const RunSpec& run, SavedTensorMeter& meter) {
+  for (int64_t j = run.first; j < run.first + run.count; ++j) {
+    for (const auto& m : (*run.regions)[j].modules()) {
+      meter.exclude(*m);
+    }
+  }
+}
+
 } // namespace
 
 // Runs the run's regions alone under `mode` (and `saved_ops`; count > 1: one
@@ -469,14 +499,8 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
     return false;
   };
   at::Tensor loss;
-  // What the step's meter will count for this run: its own parameters and
-  // buffers excluded, as SavedTensorMeter(module) excludes the model's.
   SavedTensorMeter meter;
-  for (int64_t j = run.first; j < run.first + run.count; ++j) {
-    for (const auto& m : (*run.regions)[j].modules()) {
-      meter.exclude(*m);
-    }
-  }
+  exclude_run_modules(run, meter);
   {
     std::vector<at::Tensor> ys;
     {
@@ -505,19 +529,7 @@ BlockProfile profile_run(const RunSpec& run, BlockMode mode, const std::vector<s
   }
   const int64_t after_forward = counter.live();
   // The outputs are gone: only autograd can hold an input now.
-  const auto same_in = hold_once(xs);
-  prof.in_bytes.assign(xs.size(), 0);
-  prof.in_kept.assign(xs.size(), false);
-  for (size_t s = 0; s < xs.size(); ++s) {
-    const auto& x = xs[same_in[s]];
-    prof.in_bytes[s] = same_in[s] == static_cast<int>(s) ? storage_bytes(x) : 0;
-    prof.in_kept[s] = kept_by_autograd(x);
-  }
-  for (size_t t = 0; t < prof.out_kept.size(); ++t) {
-    if (prof.out_alias[t] >= 0) {
-      prof.out_kept[t] = prof.in_kept[prof.out_alias[t]];
-    }
-  }
+  note_inputs(xs, prof);
   // The bytes kept are the meter's count, not the live bytes above `base`:
   // the two agree (the input counted where autograd or the checkpoint keeps
   // it, the output where the run saves it itself) except where a meta kernel

@@ -306,7 +306,7 @@ TRAINMEM_API LlamaOptions llama_options(const HfConfig& config);
 /// The Gpt2Options of a GPT-2 config. Throws if `config` is not one.
 TRAINMEM_API Gpt2Options gpt2_options(const HfConfig& config);
 /// The GPTOptions (gpt.h) of a GPT-2 config's shape, for trainmem's own GPT
-/// (which build_hf_model no longer uses: its MLP and attention save less
+/// (build_hf_model does not use it: its MLP and attention save less
 /// than transformers' GPT-2). Throws if `config` is not GPT-2 or its MLP is
 /// not 4 d.
 TRAINMEM_API GPTOptions gpt_options(const HfConfig& config);

@@ -37,8 +37,8 @@ struct TrainerOptions {
   TORCH_ARG(TransformerOptions, model) = {};
   /// B of the input (batch, seq_len, d_model): sequences per step (a
   /// data-parallel run's global batch, split evenly across ranks).
-  TORCH_ARG(int64_t, batch) = kCapstoneBatch;
-  TORCH_ARG(int64_t, seq_len) = kCapstoneSeqLen;  ///< T of the input: tokens per sequence
+  TORCH_ARG(int64_t, batch) = kReferenceBatch;
+  TORCH_ARG(int64_t, seq_len) = kReferenceSeqLen;  ///< T of the input: tokens per sequence
   /// "adamw", "adam" or "sgd" (momentum 0.9).
   TORCH_ARG(std::string, optimizer) = "adamw";
   TORCH_ARG(double, lr) = 1e-3;

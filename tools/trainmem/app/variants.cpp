@@ -17,7 +17,7 @@
 
 namespace trainmem {
 
-std::vector<BlockCheckpointing> seed_variants(int64_t n) {
+std::vector<BlockCheckpointing> reference_variants(int64_t n) {
   return {BlockCheckpointing::none(n), BlockCheckpointing::full(n), BlockCheckpointing::every(n, 2),
           BlockCheckpointing::selective(n, save_matmuls_policy())};
 }

@@ -17,15 +17,15 @@
 
 namespace trainmem {
 
-/// The capstone's input (batch, seq_len) = (16, 64): the demo's, the
-/// trainer's default, and the examples', tests' and benchmarks' reference
-/// step (with TransformerOptions' defaults, an input of (16, 64, 128)).
-constexpr int64_t kCapstoneBatch = 16;
-constexpr int64_t kCapstoneSeqLen = 64;
+/// The reference step's input (batch, seq_len) = (16, 64): the demo's, the
+/// trainer's default, and the examples', tests' and benchmarks' (with
+/// TransformerOptions' defaults, an input of (16, 64, 128)).
+constexpr int64_t kReferenceBatch = 16;
+constexpr int64_t kReferenceSeqLen = 64;
 
 /// The reference transformer's four checkpointing variants, in this order:
 /// none, full, every_2 and selective (save matmuls).
-std::vector<BlockCheckpointing> seed_variants(int64_t num_layers);
+std::vector<BlockCheckpointing> reference_variants(int64_t num_layers);
 
 /// One metered training step of the reference model: forward under `plan`
 /// inside a SavedTensorMeter scope, loss `out.pow(2).mean()`, backward.

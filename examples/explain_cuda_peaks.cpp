@@ -1,12 +1,12 @@
-// Seed 001 reproduced and explained, on a machine without a GPU.
+// A notebook's CUDA peaks reproduced and explained, on a machine without a GPU.
 //
-// The seed's "Activation Checkpointing" experiment (16 residual blocks
+// The notebook's "Activation Checkpointing" experiment (16 residual blocks
 // Linear(1024, 1024) - GELU - Linear(1024, 1024), X (16384, 1024) requiring
 // grad, loss h.sum(), store-all vs a checkpoint per block) printed CUDA peaks
 // of 4318 MB and 2306 MB (max_memory_allocated / 1e6). This program predicts
 // both from meta runs through trainmem's model of the CUDA caching allocator
 // (cuda_predict.h) and prints them term by term. The experiment's own tensors
-// do not explain them: the seed ran its "Mixed Precision" section first in
+// do not explain them: the notebook ran its "Mixed Precision" section first in
 // the same process, and what that section leaves alive (the MLP, the
 // gradients of its last step, y, and the cuBLAS / cuBLASLt workspaces of the
 // main and the backward threads) is still allocated when the peak is reset.
@@ -14,13 +14,14 @@
 // It then does the same for that MLP (4096-8192-8192-10, SGD, batch 2048):
 // static and activation bytes and the predicted CUDA peak per precision.
 //
-//   seed001              predictions (seconds; a ctest checks the output)
-//   seed001 --run-cpu    also runs the checkpoint experiment for real on the
-//                        CPU (about 4 GB, minutes on 2 cores) and compares the
-//                        measured peak with the CPU prediction
-//   seed001 --gpu        on a CUDA machine, runs both experiments and the capstone (per
-//                        checkpointing variant, with step-time ratios) on the GPU
-//                        and prints measured beside predicted (skips without CUDA)
+//   explain_cuda_peaks            predictions (seconds; a ctest checks the output)
+//   explain_cuda_peaks --run-cpu  also runs the checkpoint experiment for real on
+//                                 the CPU (about 4 GB, minutes on 2 cores) and
+//                                 compares the measured peak with the CPU prediction
+//   explain_cuda_peaks --gpu      on a CUDA machine, runs both experiments and the
+//                                 capstone (per checkpointing variant, with step-time
+//                                 ratios) on the GPU and prints measured beside
+//                                 predicted (skips without CUDA)
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -164,7 +165,7 @@ MlpPrediction predict_mlp(const Precision& p, const trainmem::CudaPredictOptions
   return r;
 }
 
-// What the seed's "Mixed Precision" section leaves on the device when the
+// What the notebook's "Mixed Precision" section leaves on the device when the
 // checkpoint section starts: net (the MLP), the gradients of its last step
 // (step() sets them to None at its start, not its end), y. X is rebound by
 // the checkpoint section, which frees the MLP's.
@@ -201,8 +202,8 @@ void print_terms(const char* title, const trainmem::CudaStepPrediction& a, const
   row("cuBLAS copy of the expanded h.sum() grad", a.terms.kernel_temporary_bytes, b.terms.kernel_temporary_bytes);
   row("512 B rounding", a.terms.rounding_bytes, b.terms.rounding_bytes);
   row("= max_memory_allocated (B)", a.max_memory_allocated_bytes, b.max_memory_allocated_bytes);
-  std::cout << fmt::format("  {:<46} {:>16} {:>16}\n", "  in the seed's unit (/ 1e6)", mb(a.max_memory_allocated_bytes),
-                           mb(b.max_memory_allocated_bytes));
+  std::cout << fmt::format("  {:<46} {:>16} {:>16}\n", "  in the notebook's unit (/ 1e6)",
+                           mb(a.max_memory_allocated_bytes), mb(b.max_memory_allocated_bytes));
 }
 
 // For `make gpu-check`: the capstone (AdamW, second step) per checkpointing
@@ -257,12 +258,9 @@ struct Options {
   bool gpu = false;
 };
 
-int run(const Options& opts) {
-  trainmem::CpuMemoryTracker::install();
-  std::cout << "seed 001 on CUDA, predicted from meta runs (LibTorch's caching allocator, 512 B blocks;\n"
-               "cuBLAS workspace 8,519,680 B per thread (compute capability < 9), cuBLASLt 1 MiB)\n\n";
-
-  // 1. The mixed-precision MLP, first in the seed's notebook.
+// 1. The mixed-precision MLP, first in the notebook: each precision's row;
+// the workspaces it leaves.
+trainmem::CudaWorkspaces print_mlp_section() {
   std::cout << "Mixed precision MLP (4096-8192-8192-10, SGD, batch 2048), one step after a warm-up step\n";
   std::cout << fmt::format("  {:<14} {:>14} {:>14} {:>16} {:>18} {:>18}\n", "precision", "parameters", "gradients",
                            "saved activations", "max allocated", "max reserved");
@@ -275,39 +273,61 @@ int run(const Options& opts) {
                              with_commas(r.cuda.max_memory_reserved_bytes));
     after_mlp = r.cuda.workspaces;  // the last section ran bf16/fp16 autocast: same workspaces
   }
-  std::cout << "  (tf32 changes no byte: the seed's fp32 and tf32 rows have fp32's figures)\n\n";
+  std::cout << "  (tf32 changes no byte: the notebook's fp32 and tf32 rows have fp32's figures)\n\n";
+  return after_mlp;
+}
 
-  // 2. The checkpoint experiment, in the seed's order: store all, then checkpointed.
-  Blocks blocks{nullptr};
-  {
-    trainmem::MetaInitGuard meta;
-    blocks = Blocks();
+// The checkpoint experiment on meta: the blocks and X, which requires grad.
+struct Experiment {
+  Experiment() {
+    {
+      trainmem::MetaInitGuard meta;
+      blocks = Blocks();
+    }
+    X = at::empty({kRows, kD}, at::kMeta).requires_grad_(true);
   }
-  auto X = at::empty({kRows, kD}, at::kMeta).requires_grad_(true);
-  const int64_t x_bytes = X.numel() * 4;
+  // Its CUDA step, store all or checkpointed, with `resident` live beside it.
+  trainmem::CudaStepPrediction predict(bool ckpt, const std::vector<at::Tensor>& resident,
+                                       trainmem::CudaWorkspaces ws) {
+    X.mutable_grad().reset();  // X.grad = None
+    return trainmem::predict_cuda_step_peak(*blocks, [&] { return blocks->run(X, ckpt); }, nullptr,
+                                            trainmem::CudaPredictOptions().resident(resident).workspaces(ws));
+  }
+  Blocks blocks{nullptr};
+  at::Tensor X;
+};
+
+struct CheckpointPeaks {
+  trainmem::CudaStepPrediction store;
+  trainmem::CudaStepPrediction ckpt;
+  bool reproduced = false;  // both as the notebook printed them
+};
+
+// 2. The checkpoint experiment, in the notebook's order (store all, then
+// checkpointed), after its MLP section: term by term, and where the bytes
+// its own tensors do not explain come from.
+CheckpointPeaks print_checkpoint_section(Experiment& ex, const trainmem::CudaWorkspaces& after_mlp) {
+  const int64_t x_bytes = ex.X.numel() * 4;
   auto leftovers = mlp_leftovers();
   int64_t leftover_bytes = 0;
   for (const auto& t : leftovers) {
     leftover_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
-  auto seed_resident = leftovers;
-  seed_resident.push_back(X);
-  auto predict = [&](bool ckpt, const std::vector<at::Tensor>& resident, trainmem::CudaWorkspaces ws) {
-    X.mutable_grad().reset();  // X.grad = None
-    return trainmem::predict_cuda_step_peak(*blocks, [&] { return blocks->run(X, ckpt); }, nullptr,
-                                            trainmem::CudaPredictOptions().resident(resident).workspaces(ws));
-  };
-  const auto store = predict(false, seed_resident, after_mlp);
-  const auto ckpt = predict(true, seed_resident, store.workspaces);
-  print_terms("Checkpoint experiment, in the seed's process (after its mixed-precision section)", store, ckpt,
-              leftover_bytes, x_bytes);
-  const bool store_ok = mb(store.max_memory_allocated_bytes) == "4318 MB";
-  const bool ckpt_ok = mb(ckpt.max_memory_allocated_bytes) == "2306 MB";
-  std::cout << fmt::format("  {:<46} {:>16} {:>16}\n", "the seed printed", "4318 MB", "2306 MB");
+  auto notebook_resident = leftovers;
+  notebook_resident.push_back(ex.X);
+  CheckpointPeaks r;
+  r.store = ex.predict(false, notebook_resident, after_mlp);
+  r.ckpt = ex.predict(true, notebook_resident, r.store.workspaces);
+  print_terms("Checkpoint experiment, in the notebook's process (after its mixed-precision section)", r.store,
+              r.ckpt, leftover_bytes, x_bytes);
+  const bool store_ok = mb(r.store.max_memory_allocated_bytes) == "4318 MB";
+  const bool ckpt_ok = mb(r.ckpt.max_memory_allocated_bytes) == "2306 MB";
+  r.reproduced = store_ok && ckpt_ok;
+  std::cout << fmt::format("  {:<46} {:>16} {:>16}\n", "the notebook printed", "4318 MB", "2306 MB");
   std::cout << fmt::format("  {:<46} {:>16} {:>16}\n\n", "reproduced", store_ok ? "yes" : "NO",
                            ckpt_ok ? "yes" : "NO");
 
-  std::cout << "Where the bytes the experiment's own tensors do not explain come from (the seed's text):\n"
+  std::cout << "Where the bytes the experiment's own tensors do not explain come from (the notebook's text):\n"
             << fmt::format("  - the MLP of \"Mixed Precision, Fairly Measured\": parameters {} B and the gradients\n"
                            "    of its last benchmarked step {} B (step() zeroes them at its start), y {} B;\n",
                            with_commas(leftovers.size() > 0 ? (leftover_bytes - 16384) / 2 : 0),
@@ -319,17 +339,20 @@ int run(const Options& opts) {
                "    (67,108,864 B) for each mm of the last block's backward.\n";
   std::cout << fmt::format("  The same steps in a fresh process (only X and the blocks on the device): store all {}"
                            " B, checkpointed {} B.\n\n",
-                           with_commas(predict(false, {X}, {}).max_memory_allocated_bytes),
-                           with_commas(predict(true, {X}, {}).max_memory_allocated_bytes));
+                           with_commas(ex.predict(false, {ex.X}, {}).max_memory_allocated_bytes),
+                           with_commas(ex.predict(true, {ex.X}, {}).max_memory_allocated_bytes));
+  return r;
+}
 
-  // 3. The CPU: the planner's meta prediction, and optionally a real run.
+// 3. The CPU: the planner's meta prediction, and with `run_cpu` a real run.
+void print_cpu_section(Experiment& ex, bool run_cpu) {
   std::cout << "The same experiment on the CPU (predicted on meta; measured with --run-cpu)\n";
   for (bool ck : {false, true}) {
-    X.mutable_grad().reset();
-    const auto p = trainmem::predict_step_peak(*blocks, [&] { return blocks->run(X, ck); });
+    ex.X.mutable_grad().reset();
+    const auto p = trainmem::predict_step_peak(*ex.blocks, [&] { return ex.blocks->run(ex.X, ck); });
     std::cout << fmt::format("  {:<14} predicted CPU peak {:>16} B", ck ? "checkpointed" : "store all",
                              with_commas(p.peak_bytes));
-    if (opts.run_cpu) {
+    if (run_cpu) {
       torch::manual_seed(0);
       Blocks cpu;
       auto Xc = torch::randn({kRows, kD}).requires_grad_(true);
@@ -340,64 +363,78 @@ int run(const Options& opts) {
     std::cout << "\n";
   }
   std::cout << "  (peaks above what was live before the step: parameters + the step's own bytes; X excluded)\n";
+}
 
+// --gpu: both experiments run on `dev` in the notebook's order, measured
+// beside `peaks`, then the capstone.
+void run_on_gpu(const c10::Device& dev, const CheckpointPeaks& peaks) {
+  std::cout << "\nOn the GPU, the notebook's order (measured beside predicted max_memory_allocated / reserved)\n";
+  // The mixed-precision section first: a few steps per precision.
+  torch::manual_seed(0);
+  Mlp mlp;
+  mlp->to(dev);
+  auto Xm = torch::randn({2048, 1, 64, 64}, at::TensorOptions(dev));
+  auto ym = torch::randint(0, 10, {2048}, at::TensorOptions(dev).dtype(at::kLong));
+  torch::optim::SGD sgd(mlp->parameters(), torch::optim::SGDOptions(0.01));
+  for (const auto& p : kPrecisions) {
+    trainmem::reset_peak(dev);
+    for (int i = 0; i < 3; ++i) {
+      sgd.zero_grad();
+      at::Tensor l;
+      if (p.dtype) {
+        at::autocast::set_autocast_dtype(at::kCUDA, *p.dtype);
+        at::autocast::set_autocast_enabled(at::kCUDA, true);
+        l = mlp->loss(Xm, ym, std::nullopt);
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        at::autocast::clear_cache();
+      } else {
+        l = mlp->loss(Xm, ym, std::nullopt);
+      }
+      l.backward();
+      sgd.step();
+    }
+    const auto s = trainmem::device_memory_stats(dev);
+    std::cout << fmt::format("  MLP {:<14} measured {} / {} B\n", p.name, with_commas(s.peak_allocated_bytes),
+                             with_commas(s.peak_reserved_bytes));
+  }
+  Xm = at::Tensor();  // the checkpoint section rebinds X
+  torch::manual_seed(0);
+  Blocks gpu;
+  gpu->to(dev);
+  auto Xg = torch::randn({kRows, kD}, at::TensorOptions(dev)).requires_grad_(true);
+  for (bool ck : {false, true}) {
+    for (auto& p : gpu->parameters()) {
+      p.mutable_grad().reset();
+    }
+    Xg.mutable_grad().reset();
+    trainmem::reset_peak(dev);
+    gpu->run(Xg, ck).backward();
+    const auto s = trainmem::device_memory_stats(dev);
+    const auto& pred = ck ? peaks.ckpt : peaks.store;
+    std::cout << fmt::format("  {:<14} measured {} / {} B, predicted {} / {} B\n",
+                             ck ? "checkpointed" : "store all", with_commas(s.peak_allocated_bytes),
+                             with_commas(s.peak_reserved_bytes), with_commas(pred.max_memory_allocated_bytes),
+                             with_commas(pred.max_memory_reserved_bytes));
+  }
+  capstone_on_gpu(dev);
+}
+
+int run(const Options& opts) {
+  trainmem::CpuMemoryTracker::install();
+  std::cout << "The notebook's CUDA peaks, predicted from meta runs (LibTorch's caching allocator, 512 B blocks;\n"
+               "cuBLAS workspace 8,519,680 B per thread (compute capability < 9), cuBLASLt 1 MiB)\n\n";
+  const auto after_mlp = print_mlp_section();
+  Experiment ex;
+  const auto peaks = print_checkpoint_section(ex, after_mlp);
+  print_cpu_section(ex, opts.run_cpu);
   if (opts.gpu) {
     if (!torch::cuda::is_available()) {
       std::cout << "\n--gpu: no CUDA device, skipped\n";
       return 0;
     }
-    const c10::Device dev(c10::kCUDA, 0);
-    std::cout << "\nOn the GPU, the seed's order (measured beside predicted max_memory_allocated / reserved)\n";
-    // The mixed-precision section first: a few steps per precision.
-    torch::manual_seed(0);
-    Mlp mlp;
-    mlp->to(dev);
-    auto Xm = torch::randn({2048, 1, 64, 64}, at::TensorOptions(dev));
-    auto ym = torch::randint(0, 10, {2048}, at::TensorOptions(dev).dtype(at::kLong));
-    torch::optim::SGD sgd(mlp->parameters(), torch::optim::SGDOptions(0.01));
-    for (const auto& p : kPrecisions) {
-      trainmem::reset_peak(dev);
-      for (int i = 0; i < 3; ++i) {
-        sgd.zero_grad();
-        at::Tensor l;
-        if (p.dtype) {
-          at::autocast::set_autocast_dtype(at::kCUDA, *p.dtype);
-          at::autocast::set_autocast_enabled(at::kCUDA, true);
-          l = mlp->loss(Xm, ym, std::nullopt);
-          at::autocast::set_autocast_enabled(at::kCUDA, false);
-          at::autocast::clear_cache();
-        } else {
-          l = mlp->loss(Xm, ym, std::nullopt);
-        }
-        l.backward();
-        sgd.step();
-      }
-      const auto s = trainmem::device_memory_stats(dev);
-      std::cout << fmt::format("  MLP {:<14} measured {} / {} B\n", p.name, with_commas(s.peak_allocated_bytes),
-                               with_commas(s.peak_reserved_bytes));
-    }
-    Xm = at::Tensor();  // the checkpoint section rebinds X
-    torch::manual_seed(0);
-    Blocks gpu;
-    gpu->to(dev);
-    auto Xg = torch::randn({kRows, kD}, at::TensorOptions(dev)).requires_grad_(true);
-    for (bool ck : {false, true}) {
-      for (auto& p : gpu->parameters()) {
-        p.mutable_grad().reset();
-      }
-      Xg.mutable_grad().reset();
-      trainmem::reset_peak(dev);
-      gpu->run(Xg, ck).backward();
-      const auto s = trainmem::device_memory_stats(dev);
-      const auto& pred = ck ? ckpt : store;
-      std::cout << fmt::format("  {:<14} measured {} / {} B, predicted {} / {} B\n",
-                               ck ? "checkpointed" : "store all", with_commas(s.peak_allocated_bytes),
-                               with_commas(s.peak_reserved_bytes), with_commas(pred.max_memory_allocated_bytes),
-                               with_commas(pred.max_memory_reserved_bytes));
-    }
-    capstone_on_gpu(dev);
+    run_on_gpu(c10::Device(c10::kCUDA, 0), peaks);
   }
-  return store_ok && ckpt_ok ? 0 : 3;
+  return peaks.reproduced ? 0 : 3;
 }
 
 } // namespace
@@ -410,14 +447,16 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--gpu") == 0) {
       opts.gpu = true;
     } else {
-      std::fprintf(stderr, "seed001: unknown argument '%s'\nusage: seed001 [--run-cpu] [--gpu]\n", argv[i]);
+      std::fprintf(stderr,
+                   "explain_cuda_peaks: unknown argument '%s'\nusage: explain_cuda_peaks [--run-cpu] [--gpu]\n",
+                   argv[i]);
       return 2;
     }
   }
   try {
     return run(opts);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "seed001: %s\n", e.what());
+    std::fprintf(stderr, "explain_cuda_peaks: %s\n", e.what());
     return 1;
   }
 }
