@@ -15,6 +15,7 @@
 
 #include "trainmem/allocator.h"
 #include "trainmem/meta.h"
+#include "trainmem/meter.h"
 
 namespace {
 
@@ -157,6 +158,37 @@ TEST(PredictScalarReadTest, AllInAnIfAndToCpuAreListed) {
   EXPECT_EQ(predicted.scalar_reads[1].op, "aten::_to_copy");
   EXPECT_EQ(predicted.scalar_reads[1].value, "zeros");
   EXPECT_EQ(predicted.scalar_reads[1].num_reads, 1);
+}
+
+// predict_saved_activations lists the reads of its forward too, and the
+// branch taken (0 reads as false) saves what a real run on that branch saves.
+TEST(PredictScalarReadTest, SavedActivationsListTheReads) {
+  MlpPolicy meta{nullptr};
+  {
+    trainmem::MetaInitGuard guard;
+    meta = MlpPolicy();
+  }
+  const auto r = trainmem::predict_saved_activations(*meta, [&] {
+    auto [logits, value] = meta->forward(at::empty({4, 8}, at::kMeta));
+    if (value.mean().item<double>() > 0.0) {
+      return value.pow(2).mean();  // not taken on meta
+    }
+    return logits.pow(2).mean();
+  });
+  ASSERT_EQ(r.scalar_reads.size(), 1u);
+  EXPECT_EQ(r.scalar_reads[0].op, "aten::_local_scalar_dense");
+  EXPECT_EQ(r.scalar_reads[0].value, "0");
+  EXPECT_EQ(r.scalar_reads[0].num_reads, 1);
+  // The branch taken: body's input (4 x 8), the tanh output (4 x 32, saved by
+  // tanh and both heads once), the logits (pow saves its input): 128 + 512 + 64 B.
+  EXPECT_EQ(r.saved_bytes, 4 * 8 * 4 + 4 * 32 * 4 + 4 * 4 * 4);
+  EXPECT_NE(trainmem::to_string(r).find("values read from meta (a real run's control flow may differ): 1 x "
+                                        "aten::_local_scalar_dense -> 0"),
+            std::string::npos)
+      << trainmem::to_string(r);
+  // A meter's own report lists none.
+  trainmem::SavedTensorMeter meter;
+  EXPECT_TRUE(meter.report().scalar_reads.empty());
 }
 
 // Outside a prediction a meta .item() throws, as in LibTorch, and

@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "trainmem/export.h"
+#include "trainmem/meta.h"
 
 namespace torch::nn {
 class Module;
@@ -70,6 +71,10 @@ struct SavedTensorReport {
   int64_t unowned_leaf_bytes = 0;
   /// Bytes by saving node, largest first; sums to saved_bytes.
   std::vector<NodeSavedBytes> by_node;
+  /// predict_saved_activations(): the values its forward read from meta
+  /// tensors (`.item()`...), each given a documented value (Note [Scalar
+  /// reads inside a prediction]); empty for a meter's own report.
+  std::vector<ScalarRead> scalar_reads;
 };
 
 namespace detail {

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include "core/detail/prediction_scope.h"
 #include "detail/attribution.h"
 #include "detail/node_type.h"
 #include "detail/save_observer.h"
@@ -871,7 +872,7 @@ std::string to_string(const SavedTensorReport& r) {
     out += fmt::format(
         "  {:<44} {:>14} B {:>6} tensors\n", n.node, n.bytes, n.num_tensors);
   }
-  return out;
+  return out + detail::scalar_reads_line(r.scalar_reads);
 }
 
 } // namespace trainmem

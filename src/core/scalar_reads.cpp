@@ -15,6 +15,8 @@
 #include <c10/core/ScalarType.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "detail/intercept.h"
 
@@ -128,6 +130,18 @@ PredictionScope::~PredictionScope() {
 
 bool PredictionScope::active() {
   return tls_prediction != nullptr;
+}
+
+std::string scalar_reads_line(const std::vector<ScalarRead>& reads) {
+  if (reads.empty()) {
+    return "";
+  }
+  std::vector<std::string> each;
+  for (const auto& r : reads) {
+    each.push_back(fmt::format("{} x {} -> {}", r.num_reads, r.op, r.value));
+  }
+  return fmt::format("  values read from meta (a real run's control flow may differ): {}\n",
+                     fmt::join(each, "; "));
 }
 
 std::vector<ScalarRead> PredictionScope::scalar_reads() const {

@@ -332,18 +332,6 @@ int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
 
-std::string scalar_reads_line(const std::vector<ScalarRead>& reads) {
-  if (reads.empty()) {
-    return "";
-  }
-  std::vector<std::string> each;
-  for (const auto& r : reads) {
-    each.push_back(fmt::format("{} x {} -> {}", r.num_reads, r.op, r.value));
-  }
-  return fmt::format("  values read from meta (a real run's control flow may differ): {}\n",
-                     fmt::join(each, "; "));
-}
-
 // See src/plan/detail/plan_internal.h.
 bool kept_by_autograd(const at::Tensor& t) {
   const bool accumulator = t.is_leaf() && t.requires_grad() &&
@@ -372,7 +360,9 @@ SavedTensorReport predict_saved_activations(
                 "predict_saved_activations: the forward returned a tensor on ", out.device(),
                 "; build its inputs on the meta device");
   }
-  return meter.report();
+  auto report = meter.report();
+  report.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
+  return report;
 }
 
 std::string to_string(StepPhase phase) {

@@ -6,6 +6,7 @@
 // from meta tensors return documented ones and are counted (Note [Scalar
 // reads inside a prediction]).
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/detail/init_record.h"
@@ -34,6 +35,10 @@ class PredictionScope {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// The line to_string() of a prediction prints for its scalar_reads ("" when
+// there are none; Note [Scalar reads inside a prediction]).
+std::string scalar_reads_line(const std::vector<ScalarRead>& reads);
 
 // The Meta kernel of aten::_local_scalar_dense (`.item()`): 0 (false for a
 // bool) inside a prediction, counted; outside one it throws as LibTorch does.

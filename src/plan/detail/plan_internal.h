@@ -257,10 +257,6 @@ int64_t storage_bytes(const at::Tensor& t);
 // loss head's input, GPT's logits, is such a leaf and is not saved).
 bool kept_by_autograd(const at::Tensor& t);
 
-// The line to_string() of a prediction prints for its scalar_reads ("" when
-// there are none; Note [Scalar reads inside a prediction]).
-std::string scalar_reads_line(const std::vector<ScalarRead>& reads);
-
 OpKind op_kind(const SelectiveOp& op);
 
 // Saved or offloaded: not recomputed (selective.cpp's is_save counts only the first).
