@@ -387,6 +387,54 @@ TEST(MetaFallbackTest, PpoClippedLossOfAnMlpPolicyIsExact) {
   });
 }
 
+// Note [References held above the interceptor]: inside a step function
+// (predict_step_function holds autocast on meta across the step, a boxed
+// fallback above autograd) the engine sums a gradient used twice in place on
+// meta, as on the CPU. Here h (256 x 128 fp32, 128 KiB) feeds two heads; its
+// two gradients meet at the backward's peak, where an out-of-place sum was
+// one h more on meta (the PPO update of tests/predict_scalar_read_test.cpp:
+// 14,808 B predicted against the CPU's 13,016 B).
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    body = register_module("body", torch::nn::Linear(8, 128));
+    a = register_module("a", torch::nn::Linear(128, 4));
+    b = register_module("b", torch::nn::Linear(128, 1));
+  }
+  torch::nn::Linear body{nullptr}, a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+void two_heads_step(TwoHeads& net, torch::optim::SGD& sgd, const at::Tensor& x) {
+  const auto h = torch::tanh(net->body(x));
+  const auto loss = net->a(h).pow(2).mean() + net->b(h).pow(2).mean();
+  sgd.zero_grad();
+  loss.backward();
+  sgd.step();
+}
+
+TEST(MetaFallbackTest, AGradientUsedTwiceSumsInPlaceInAStepFunction) {
+  trainmem::CpuMemoryTracker::install();
+  torch::manual_seed(0);
+  TwoHeads cpu;
+  TwoHeads meta;
+  trainmem::to_meta(*meta);
+  torch::optim::SGD cpu_sgd(cpu->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD meta_sgd(meta->parameters(), torch::optim::SGDOptions(0.1));
+  const auto x = at::randn({256, 8});
+  const auto x_meta = at::empty({256, 8}, kMeta);
+  const auto measured =
+      trainmem::measure_step_function({cpu.get()}, {&cpu_sgd}, [&] { two_heads_step(cpu, cpu_sgd, x); });
+  const auto predicted =
+      trainmem::predict_step_function({meta.get()}, {&meta_sgd}, [&] { two_heads_step(meta, meta_sgd, x_meta); });
+  EXPECT_EQ(predicted.start_bytes, measured.start_bytes);
+  EXPECT_EQ(predicted.peak_bytes, measured.peak_bytes) << "predicted\n"
+                                                       << trainmem::to_string(predicted) << "measured\n"
+                                                       << trainmem::to_string(measured);
+  EXPECT_EQ(predicted.end_bytes, measured.end_bytes);
+  std::printf("two heads in a step function: step peak %lld B (CPU %lld B)\n",
+              static_cast<long long>(predicted.peak_bytes), static_cast<long long>(measured.peak_bytes));
+}
+
 // A small Atari-style CNN policy (84 x 84 frames scaled down to 36 x 36).
 struct CnnPolicyImpl : torch::nn::Module {
   CnnPolicyImpl() {

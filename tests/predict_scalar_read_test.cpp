@@ -113,10 +113,16 @@ TEST(PredictScalarReadTest, PpoUpdateWithItemAndEarlyStopPredictsAsWithoutTheRea
   EXPECT_EQ(predicted.end_bytes, predicted_plain.end_bytes);
   EXPECT_EQ(measured.peak_bytes, measured_plain.peak_bytes);
   EXPECT_TRUE(predicted_plain.scalar_reads.empty());
-  // Not asserted: predicted == measured. This loss (gather, minimum, clamp)
-  // predicts 14,808 B against the CPU's 13,016 B with or without the reads
-  // (2026-12-07): a gap of the meta path, not of the reads.
+  // And the CPU's, to the byte, with and without the reads (the shared body's
+  // two gradients sum in place on meta as on the CPU: Note [References held
+  // above the interceptor]; before, 14,808 B against 13,016 B).
   EXPECT_EQ(predicted.start_bytes, measured.start_bytes);
+  EXPECT_EQ(predicted.peak_bytes, measured.peak_bytes)
+      << "predicted " << predicted.peak_bytes << " B, measured " << measured.peak_bytes << " B";
+  EXPECT_EQ(predicted.end_bytes, measured.end_bytes);
+  EXPECT_EQ(predicted_plain.peak_bytes, measured_plain.peak_bytes)
+      << "predicted " << predicted_plain.peak_bytes << " B, measured " << measured_plain.peak_bytes << " B";
+  EXPECT_EQ(predicted_plain.end_bytes, measured_plain.end_bytes);
   // Each read listed: two per minibatch, in the warm-up step and the measured one.
   ASSERT_EQ(predicted.scalar_reads.size(), 1u);
   EXPECT_EQ(predicted.scalar_reads[0].op, "aten::_local_scalar_dense");

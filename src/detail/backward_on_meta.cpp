@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "detail/held_arguments.h"
+
 namespace trainmem::detail {
 namespace {
 
@@ -27,7 +29,9 @@ namespace {
 // decided as the CPU (or CUDA) decides: when the CPU would add in place, the result
 // shares that operand's storage and nothing is allocated; else it runs.
 // The intercept stack holds one reference to each argument of its own, so
-// "the only reference" is a use count of two.
+// "the only reference" is a use count of two, plus what boxed frames of ours
+// above autograd hold (Note [References held above the interceptor]: inside
+// a step function, AutocastOnMeta's).
 // predict_step_peak, the region planner and predict_cuda_step_peak all run
 // their meta backward under it (a meta backward without it over-predicts a
 // backward peak by an accumulated gradient wherever one is at the peak: a
@@ -73,9 +77,13 @@ void BackwardOnMeta::handle(const InterceptScope& scope, const c10::OperatorHand
     if (a.isTensor() && b.isTensor() && alpha.isScalar() && alpha.toScalar().equal(1)) {
       const at::Tensor& x = a.toTensor();
       const at::Tensor& y = b.toTensor();
-      const auto stealable = [](const at::Tensor& t) {
+      // Two: the engine's and the intercept stack's, plus what boxed frames
+      // of ours above autograd hold (Note [References held above the
+      // interceptor]).
+      const auto stealable = [&](const at::Tensor& t) {
         return t.defined() && t.is_meta() && t.layout() == at::kStrided && t.is_non_overlapping_and_dense() &&
-            t.use_count() == 2 && t.has_storage() && t.storage().use_count() == 1;
+            t.use_count() == 2 + static_cast<size_t>(held_references(t, stack)) && t.has_storage() &&
+            t.storage().use_count() == 1;
       };
       if (x.defined() && y.defined() && x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type()) {
         const at::Tensor* into = stealable(x) ? &x : stealable(y) ? &y : nullptr;

@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "detail/held_arguments.h"
 #include "detail/process_library.h"
 
 // Note [Autocast on meta]
@@ -115,7 +116,10 @@ void map_tensors(torch::jit::Stack* stack, size_t n, F&& f) {
   }
 }
 
+// Note [References held above the interceptor]: the arguments this stack
+// holds while the op runs below.
 void run_below_mode(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const HeldArguments held(stack, op.schema().arguments().size());
   op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kMode), stack);
 }
 
@@ -159,6 +163,7 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
 
 void proxy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   map_tensors(stack, op.schema().arguments().size(), unwrap);
+  const HeldArguments held(stack, op.schema().arguments().size());
   op.callBoxed(stack);  // from the top, on the meta tensors
   map_tensors(stack, op.schema().returns().size(), unwrap);
 }
