@@ -132,7 +132,9 @@ namespace detail {
 // - the scaler's own tensors, made by the warm-up step and live through the
 //   measured one, count in its peak (predict_step_function leaves them out
 //   of its start: they are no module's or optimizer's), as do unscale_'s
-//   found-inf flag and inverse scale inside the step. The fp16 step keeps
+//   found-inf flag and inverse scale inside the step. The forward returns
+//   the loss alone, so the last region's output is freed before backward
+//   where the loss keeps none of it. The fp16 step keeps
 //   the loss to its end and frees the scaled loss after backward; the
 //   master step frees the loss after backward: estimate_model's steps
 //   (Note [fp16 autocast as a step function]), so `plan --model` and
