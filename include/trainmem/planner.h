@@ -365,7 +365,10 @@ struct TRAINMEM_API CheckpointPlan {
   int64_t activation_bytes = 0;
   double recompute_cost = 0;           ///< sum over blocks, in the OpCostFn's unit
   double forward_cost = 0;             ///< one forward of all blocks, same unit
-  int64_t min_peak_bytes = 0;          ///< the smallest peak any plan reaches, in bytes
+  /// The smallest peak any plan reaches, in bytes (the regions' composition;
+  /// with RegionModel::grad_scaler or master_weights, when no plan fits, the
+  /// whole step's of the least-peak plan, the scaler's or masters' bytes in).
+  int64_t min_peak_bytes = 0;
   double min_peak_cost = 0;            ///< the least recompute that reaches it
   /// 0 when the search was exact. Otherwise it bucketed the stored bytes at
   /// large boundaries (Note [Bucketed boundaries] in plan_search.cpp): no plan

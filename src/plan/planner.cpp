@@ -1105,6 +1105,12 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     const bool over = options.budget_bytes() > 0 && whole.peak_bytes > options.budget_bytes();
     const bool composed_fits = plan.feasible;  // else it is the least-peak plan already
     plan.feasible = composed_fits && !over;
+    if (recipe && !composed_fits) {
+      // The least-peak plan's own whole step: the smallest peak reported
+      // with the scaler's or the masters' bytes (Note [Planned steps with a
+      // scaler or master weights]).
+      plan.min_peak_bytes = whole.peak_bytes;
+    }
     if (!over || !composed_fits || round == 4 ||
         dp_limit - (whole.peak_bytes - options.budget_bytes()) < search.min_peak) {
       return plan;
