@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <optional>
 #include <unordered_map>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -111,6 +112,12 @@ class TRAINMEM_API GradScaler {
   int64_t growth_tracker() const;
   /// True if enabled.
   bool is_enabled() const { return options_.enabled(); }
+  /// The scaler's own tensors that live from its first scale() on: the scale
+  /// (a float32 scalar) and the growth tracker (an int32 scalar); empty
+  /// before the first scale() and when disabled. A prediction of a step
+  /// that uses the scaler counts them (plan_regions with
+  /// RegionModel::grad_scaler).
+  std::vector<at::Tensor> tensors() const;
 
   /// The state to save (PyTorch's state_dict keys).
   GradScalerState state_dict() const;

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,7 @@
 
 #include "trainmem/block_checkpointing.h"
 #include "trainmem/export.h"
+#include "trainmem/grad_scaler.h"
 #include "trainmem/meta.h"
 #include "trainmem/meter.h"
 #include "trainmem/selective.h"
@@ -363,7 +365,10 @@ struct TRAINMEM_API CheckpointPlan {
   int64_t activation_bytes = 0;
   double recompute_cost = 0;           ///< sum over blocks, in the OpCostFn's unit
   double forward_cost = 0;             ///< one forward of all blocks, same unit
-  int64_t min_peak_bytes = 0;          ///< the smallest peak any plan reaches, in bytes
+  /// The smallest peak any plan reaches, in bytes (the regions' composition;
+  /// with RegionModel::grad_scaler or master_weights, when no plan fits, the
+  /// whole step's of the least-peak plan, the scaler's or masters' bytes in).
+  int64_t min_peak_bytes = 0;
   double min_peak_cost = 0;            ///< the least recompute that reaches it
   /// 0 when the search was exact. Otherwise it bucketed the stored bytes at
   /// large boundaries (Note [Bucketed boundaries] in plan_search.cpp): no plan
@@ -382,11 +387,12 @@ struct TRAINMEM_API CheckpointPlan {
   /// text lists them.
   std::vector<UnavailableChoice> unavailable;
   /// Where regions carry tensors past each other (Note [Regions with
-  /// several tensors]): the peak composed from the regions' profiles, in
-  /// bytes; predicted_peak_bytes and peak_phase are then the whole planned
-  /// step's on meta (predict_step_peak), and a plan within the budget is one
-  /// whose whole step is. 0 otherwise (or where the whole step has no meta
-  /// path).
+  /// several tensors]), or the step runs a GradScaler or master weights
+  /// (RegionModel::grad_scaler, master_weights): the peak composed from the
+  /// regions' profiles, in bytes; predicted_peak_bytes and peak_phase are then
+  /// the whole planned step's on meta (predict_step_peak, or the step with
+  /// its scaler or masters), and a plan within the budget is one whose whole
+  /// step is. 0 otherwise (or where the whole step has no meta path).
   int64_t composed_peak_bytes = 0;
   /// Plans weighed against their whole step (0: none).
   int64_t whole_step_rounds = 0;
@@ -569,6 +575,25 @@ struct TRAINMEM_API RegionModel {
   torch::optim::Optimizer* optimizer = nullptr;
   /// Or its kind and options: called once with the parameters (on meta).
   OptimizerFactory make_optimizer;
+  /// fp16 mixed precision: when set, each step scales the loss with a
+  /// trainmem::GradScaler made with these options and runs
+  /// `scaler.scale(loss).backward(); scaler.unscale_(opt); scaler.step(opt);
+  /// scaler.update()` instead of `loss.backward(); opt.step()`. The scaler's
+  /// own tensors (its scale and growth tracker, live from its first step on;
+  /// the found-inf flag and the inverse scale of unscale_) count in the
+  /// planned peak (Note [Planned steps with a scaler or master weights]).
+  /// The autocast is the regions' own (each region's forward opens it).
+  std::optional<GradScalerOptions> grad_scaler;
+  /// bf16 (or fp16) weights with fp32 master weights (master_weights.h):
+  /// when true, the planner makes a trainmem::MasterWeights of the regions'
+  /// parameters that require a gradient, calls `make_optimizer` (which must
+  /// be set; `optimizer` must be null) with its optimized() tensors (the
+  /// masters require no gradient: it should step every tensor given), and each
+  /// step runs `loss.backward(); masters->step(opt)`: the masters (4 B per
+  /// low-precision parameter) and the optimizer's fp32 state count in the
+  /// planned peak, and the bf16 gradients are freed inside the step (Note
+  /// [bf16 weights with fp32 master weights]). Not with grad_scaler.
+  bool master_weights = false;
 };
 
 /// Plans a training step of any model given as regions: the same planner as
@@ -588,8 +613,15 @@ struct TRAINMEM_API RegionModel {
 /// zero-filled CPU tensors for that) and listed in `cpu_fallbacks` with the
 /// op; the plan never fails for it. A checkpoint or selective choice that cannot run (a region that
 /// starts by writing its input in place, e.g. ReLU(inplace)) is never made
-/// and is listed in `unavailable` with the op. Throws if the model is empty,
-/// a callback is missing, or the loss is not a scalar.
+/// and is listed in `unavailable` with the op. With `model.grad_scaler` or
+/// `model.master_weights` the step is the one they describe, and every plan
+/// is weighed by that whole step on meta (predicted_peak_bytes and
+/// peak_phase are its, composed_peak_bytes the regions' composition; Note
+/// [Planned steps with a scaler or master weights]); where that step has no
+/// meta path the plan throws, naming it, rather than report a composition
+/// without the scaler's or the masters' bytes. Throws if the model is empty,
+/// a callback is missing, the loss is not a scalar, master_weights is set
+/// without make_optimizer, with `optimizer`, or with grad_scaler.
 ///
 /// Example:
 /// ```

@@ -49,6 +49,13 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) {
   return loss * scale_.to(loss.device());
 }
 
+std::vector<at::Tensor> GradScaler::tensors() const {
+  if (!scale_.defined()) {
+    return {};
+  }
+  return {scale_, growth_tracker_};
+}
+
 GradScaler::PerOptimizer& GradScaler::state_for(torch::optim::Optimizer& optimizer) {
   return per_optimizer_[&optimizer];
 }

@@ -289,28 +289,38 @@ HfModel build_model(const HfConfig& config, const ModelEstimateOptions& options)
 
 RegionModel model_regions(const HfModel& model, const ModelEstimateOptions& options, c10::DeviceType autocast_device) {
   RegionModel m = hf_region_model(model, options.batch(), options.seq_len());
-  if (options.precision() != Precision::kBf16Autocast) {
+  // Note [Planned steps with a scaler or master weights]: the step's
+  // backward and optimizer step as estimate_model runs them.
+  if (options.precision() == Precision::kBf16Master) {
+    m.master_weights = true;
+  }
+  if (options.precision() == Precision::kFp16Autocast) {
+    m.grad_scaler = GradScalerOptions();
+  }
+  if (options.precision() != Precision::kBf16Autocast && options.precision() != Precision::kFp16Autocast) {
     return m;
   }
   // Each region, and the loss, in an autocast region of its own: what the
   // user's forward runs under one region, with the same casts (the cast
   // cache, of weights used by two regions, is the only difference: a tied
   // embedding is not cast by its lookup).
+  const auto dtype = options.precision() == Precision::kFp16Autocast ? at::kHalf : at::kBFloat16;
+  const std::string tag = options.precision() == Precision::kFp16Autocast ? " (fp16 autocast)" : " (bf16 autocast)";
   std::vector<Region> wrapped;
   for (const auto& r : m.regions) {
     wrapped.emplace_back(
         r.name(),
-        [r, autocast_device](const at::Tensor& x) {
-          return run_under_autocast(autocast_device, at::kBFloat16, [&] { return r(x); });
+        [r, autocast_device, dtype](const at::Tensor& x) {
+          return run_under_autocast(autocast_device, dtype, [&] { return r(x); });
         },
         r.modules());
     if (!r.key().empty()) {
-      wrapped.back().key(r.key() + " (bf16 autocast)");
+      wrapped.back().key(r.key() + tag);
     }
   }
   m.regions = std::move(wrapped);
-  m.loss = [loss = m.loss, autocast_device](const at::Tensor& y) {
-    return run_under_autocast(autocast_device, at::kBFloat16, [&] { return loss(y); });
+  m.loss = [loss = m.loss, autocast_device, dtype](const at::Tensor& y) {
+    return run_under_autocast(autocast_device, dtype, [&] { return loss(y); });
   };
   return m;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -768,6 +769,20 @@ CudaCheckpointPlan plan_regions_cuda(
   auto predict = [&](const CheckpointPlan& p) {
     const auto checkpointing = p.checkpointing();
     auto loss = [&] { return model.loss(run_regions(model.regions, model.input(at::kMeta), checkpointing)); };
+    if (detail::RecipeStep::wanted(model)) {
+      // Note [Planned steps with a scaler or master weights]: the step as its
+      // scaler or masters run it, predicted as a step function.
+      std::optional<detail::OptimizerStateAside> aside;
+      if (model.optimizer != nullptr) {
+        aside.emplace(*model.optimizer);
+      }
+      detail::RecipeStep recipe(model, module.parameters(), "plan_regions_cuda");
+      std::vector<torch::nn::Module*> modules = {&module};
+      if (recipe.masters() != nullptr) {
+        modules.push_back(recipe.masters());
+      }
+      return predict_cuda_step_function(modules, {&recipe.optimizer()}, [&] { recipe.run(modules, loss); }, cuda);
+    }
     if (model.make_optimizer) {
       auto opt = model.make_optimizer(module.parameters());
       TORCH_CHECK(opt != nullptr, "plan_regions_cuda: RegionModel::make_optimizer returned null");

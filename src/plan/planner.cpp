@@ -105,6 +105,131 @@ namespace trainmem {
 // be shared this way: a region's other tensors are its own.
 namespace detail {
 
+// Note [Planned steps with a scaler or master weights]
+// A step with fp16 autocast runs a GradScaler (grad_scaler.h): the loss
+// scaled, backward, the gradients unscaled and checked for inf/NaN, the
+// step, the scale updated. A bf16 model trained with fp32 master weights
+// (master_weights.h; Note [bf16 weights with fp32 master weights]) runs
+// backward in bf16, then MasterWeights::step: each bf16 gradient converted
+// into its master's fp32 gradient and freed, the optimizer's step on the
+// masters, the masters copied back. Neither is the planner's backward and
+// optimizer step, so with RegionModel::grad_scaler or master_weights:
+// - the static terms of the search (Note [Checkpoint planner]) are the
+//   recipe's: the scaler's scale and growth tracker, or the masters and the
+//   optimizer's state over them, beside the state; the optimizer phase's
+//   transient is the recipe's whole step after backward (unscale_, step,
+//   update; or the masters' step), profiled on meta;
+// - every plan is then weighed by its whole step on meta, run as the
+//   recipe runs it (RecipeStep, predicted as predict_step_function does:
+//   a warm-up step, then the measured one, its forward, backward and
+//   optimizer windows read from the meta allocator), as Note [Regions with
+//   several tensors] does for regions that carry tensors: the plan reports
+//   that step's peak and phase, and a plan within the budget is one whose
+//   whole step is (the search's limit lowered by the excess, at most 4
+//   rounds). The composition differs from it by the scaled loss and the
+//   scaler's temporaries (a few bytes), and by the cast cache where a
+//   weight is used by two regions;
+// - the scaler's own tensors, made by the warm-up step and live through the
+//   measured one, count in its peak (predict_step_function leaves them out
+//   of its start: they are no module's or optimizer's), as do unscale_'s
+//   found-inf flag and inverse scale inside the step. The forward returns
+//   the loss alone, so the last region's output is freed before backward
+//   where the loss keeps none of it. The fp16 step keeps
+//   the loss to its end and frees the scaled loss after backward; the
+//   master step frees the loss after backward: estimate_model's steps
+//   (Note [fp16 autocast as a step function]), so `plan --model` and
+//   `estimate --model` predict the same step.
+// plan_regions_cuda predicts the same step on CUDA
+// (predict_cuda_step_function). Where the whole step has no meta path, the
+// plan throws rather than report a composition without these bytes.
+RecipeStep::RecipeStep(const RegionModel& model, const std::vector<at::Tensor>& params, const char* who) {
+  TORCH_CHECK(!(model.master_weights && model.grad_scaler), who,
+              ": RegionModel::master_weights with grad_scaler is not planned (the scaler would unscale the "
+              "masters' gradients, which exist only inside MasterWeights::step); give one of them");
+  if (model.grad_scaler) {
+    scaler_.emplace(*model.grad_scaler);
+  }
+  if (model.master_weights) {
+    TORCH_CHECK(model.optimizer == nullptr && static_cast<bool>(model.make_optimizer), who,
+                ": RegionModel::master_weights needs make_optimizer (called with the masters' optimized() "
+                "tensors), not an optimizer over the model's own parameters");
+    std::vector<at::Tensor> trainable;
+    for (const auto& p : params) {
+      if (p.requires_grad()) {
+        trainable.push_back(p);
+      }
+    }
+    masters_.emplace(trainable);
+    made_ = model.make_optimizer((*masters_)->optimized());
+  } else if (model.optimizer != nullptr) {
+    opt_ = model.optimizer;
+  } else if (model.make_optimizer) {
+    made_ = model.make_optimizer(params);
+  }
+  if (made_) {
+    opt_ = made_.get();
+  }
+  TORCH_CHECK(opt_ != nullptr, who, ": RegionModel::", model.master_weights ? "make_optimizer returned null"
+              : "grad_scaler needs an optimizer (RegionModel::optimizer or make_optimizer) for the scaler to step");
+}
+
+void RecipeStep::run(const std::vector<torch::nn::Module*>& modules, const std::function<at::Tensor()>& forward,
+                     const std::function<void(StepPoint)>& mark) {
+  const auto at = [&](StepPoint point) {
+    if (mark) {
+      mark(point);
+    }
+  };
+  at(StepPoint::kBegin);
+  for (auto* m : modules) {
+    for (auto& p : m->parameters()) {
+      p.mutable_grad().reset();
+    }
+  }
+  at::Tensor loss = forward();
+  if (scaler_) {
+    at::Tensor scaled = scaler_->scale(loss);
+    at(StepPoint::kBackward);
+    scaled.backward();
+    scaled.reset();
+  } else {
+    at(StepPoint::kBackward);
+    loss.backward();
+    loss.reset();
+  }
+  at(StepPoint::kOptimizerStep);
+  optimizer_step();
+  at(StepPoint::kEnd);
+}
+
+void RecipeStep::optimizer_step() {
+  if (scaler_) {
+    scaler_->unscale_(*opt_);
+    scaler_->step(*opt_);
+    scaler_->update();
+  } else if (masters_) {
+    (*masters_)->step(*opt_);
+  } else {
+    opt_->step();
+  }
+}
+
+void RecipeStep::prime(c10::Device device) {
+  if (scaler_ && scaler_->tensors().empty()) {
+    (void)scaler_->scale(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device)));
+  }
+}
+
+int64_t RecipeStep::scaler_bytes() const {
+  int64_t bytes = 0;
+  if (scaler_) {
+    for (const auto& t : scaler_->tensors()) {
+      bytes += storage_bytes(t);
+    }
+  }
+  return bytes;
+}
+
 namespace {
 
 std::string plan_name(const std::vector<BlockChoice>& blocks) {
@@ -277,6 +402,42 @@ int64_t buffer_bytes_of(const std::vector<Region>& regions, const std::vector<at
   return bytes;
 }
 
+// The optimizer phase of a step with a scaler or master weights (Note
+// [Planned steps with a scaler or master weights]): state_bytes is what
+// lives all step beside the parameters (the scaler's tensors, or the
+// masters, and the optimizer's state), transient_bytes the highest live
+// bytes of the step after backward above the gradients it starts from.
+OptimizerProfile profile_recipe(const RegionModel& model, const std::vector<at::Tensor>& params,
+                                const std::vector<at::Tensor>& trained) {
+  auto& counter = MetaAllocator::get();
+  const int64_t before = counter.live_bytes();
+  RecipeStep recipe(model, params, "plan_regions");
+  recipe.prime(at::kMeta);
+  const auto make_grads = [&] {
+    for (const auto& p : trained) {
+      p.mutable_grad() = at::empty_like(p);
+    }
+  };
+  const auto grads_left = [&] {
+    int64_t bytes = 0;
+    for (const auto& p : trained) {
+      if (p.grad().defined()) bytes += storage_bytes(p.grad());
+    }
+    return bytes;
+  };
+  OptimizerProfile r;
+  make_grads();
+  recipe.optimizer_step();  // creates the state
+  r.state_bytes = counter.live_bytes() - before - grads_left();
+  make_grads();
+  const int64_t base = counter.live_bytes();
+  counter.reset_peak();
+  recipe.optimizer_step();
+  r.transient_bytes = counter.peak_bytes() - base;
+  reset_grads(trained);
+  return r;
+}
+
 // Parameters, buffers, the optimizer (its state, live all step, and its
 // step's transient) and the step's input.
 StaticTerms account_regions(const RegionModel& model) {
@@ -292,7 +453,13 @@ StaticTerms account_regions(const RegionModel& model) {
   }
   t.buffer_bytes = buffer_bytes_of(model.regions, t.params);
   t.has_optimizer = model.optimizer != nullptr || static_cast<bool>(model.make_optimizer);
-  if (model.optimizer != nullptr) {
+  if (RecipeStep::wanted(model)) {
+    std::optional<detail::OptimizerStateAside> aside;
+    if (model.optimizer != nullptr) {
+      aside.emplace(*model.optimizer);
+    }
+    t.optimizer = profile_recipe(model, t.params, trained_list);
+  } else if (model.optimizer != nullptr) {
     detail::OptimizerStateAside aside(*model.optimizer);
     t.optimizer = profile_optimizer(*model.optimizer, trained_list);
   } else if (model.make_optimizer) {
@@ -764,6 +931,66 @@ bool carries_tensors(const RegionShapes& shapes) {
   return std::any_of(shapes.specs.begin(), shapes.specs.end(), [](const BoundarySpec& b) { return b.size() > 1; });
 }
 
+// The whole step with its scaler or masters on meta (Note [Planned steps
+// with a scaler or master weights]): a warm-up step, then the measured one,
+// as predict_step_function runs them, its phase windows read from the meta
+// allocator; the scaler's own tensors counted.
+StepPeak recipe_step_on_meta(const RegionModel& model, torch::nn::Module& all, const std::vector<at::Tensor>& params,
+                             const std::function<at::Tensor()>& forward) {
+  RecipeStep recipe(model, params, "plan_regions");
+  std::vector<torch::nn::Module*> modules = {&all};
+  if (recipe.masters() != nullptr) {
+    modules.push_back(recipe.masters());
+  }
+  auto& meta = MetaAllocator::get();
+  int calls = 0;
+  int64_t start_live = 0;
+  StepPeak r;
+  const auto mark = [&](StepPoint point) {
+    if (calls != 2) {
+      return;  // the warm-up step
+    }
+    switch (point) {
+      case StepPoint::kBegin:
+        start_live = meta.live_bytes();
+        break;
+      case StepPoint::kBackward:
+        r.forward_peak_bytes = meta.peak_bytes() - start_live;
+        meta.reset_peak();
+        break;
+      case StepPoint::kOptimizerStep:
+        r.backward_peak_bytes = meta.peak_bytes() - start_live;
+        meta.reset_peak();
+        break;
+      case StepPoint::kEnd:
+        r.optimizer_peak_bytes = meta.peak_bytes() - start_live;
+        break;
+      default:
+        break;
+    }
+  };
+  const auto f = predict_step_function_locked(modules, {&recipe.optimizer()}, [&] {
+    ++calls;
+    recipe.run(modules, forward, mark);
+  }, /*warmup_steps=*/1);
+  TORCH_CHECK(calls == 2, "plan_regions: the step ran ", calls, " times; expected a warm-up and a measured one");
+  const int64_t base = f.start_bytes + recipe.scaler_bytes();
+  r.forward_peak_bytes += base;
+  r.backward_peak_bytes += base;
+  r.optimizer_peak_bytes += base;
+  r.peak_bytes = std::max({r.forward_peak_bytes, r.backward_peak_bytes, r.optimizer_peak_bytes});
+  r.phase = r.peak_bytes == r.backward_peak_bytes  ? StepPhase::kBackward
+            : r.peak_bytes == r.forward_peak_bytes ? StepPhase::kForward
+                                                   : StepPhase::kOptimizerStep;
+  r.param_bytes = f.param_bytes;
+  r.buffer_bytes = f.buffer_bytes;
+  r.optimizer_state_bytes = f.optimizer_state_bytes;
+  r.grad_bytes = -1;
+  r.transient_bytes = -1;
+  r.scalar_reads = f.scalar_reads;
+  return r;
+}
+
 // The whole step of `plan` on meta: the input, the regions under the plan,
 // the loss, backward and the optimizer (a warm-up step first), as
 // predict_step_peak runs it, over a module holding the regions' modules.
@@ -779,14 +1006,16 @@ StepPeak whole_step_on_meta(const RegionModel& model, const StaticTerms& terms, 
   }
   std::unique_ptr<torch::optim::Optimizer> made;
   torch::optim::Optimizer* opt = model.optimizer;
-  if (opt == nullptr && model.make_optimizer) {
+  if (opt == nullptr && model.make_optimizer && !RecipeStep::wanted(model)) {
     made = model.make_optimizer(terms.params);
     opt = made.get();
   }
   const auto checkpointing = plan.checkpointing();
-  return predict_step_peak_locked(all, [&] {
-    return model.loss(run_regions(model.regions, model.input(at::kMeta), checkpointing));
-  }, opt);
+  const auto forward = [&] { return model.loss(run_regions(model.regions, model.input(at::kMeta), checkpointing)); };
+  if (RecipeStep::wanted(model)) {
+    return recipe_step_on_meta(model, all, terms.params, forward);
+  }
+  return predict_step_peak_locked(all, forward, opt);
 }
 
 } // namespace
@@ -818,6 +1047,15 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
               "plan_regions: RegionModel::loss is empty (it makes the scalar loss of the output)");
   TORCH_CHECK(model.optimizer == nullptr || !model.make_optimizer,
               "plan_regions: give RegionModel::optimizer or make_optimizer, not both");
+  TORCH_CHECK(!(model.master_weights && model.grad_scaler),
+              "plan_regions: RegionModel::master_weights with grad_scaler is not planned (the scaler would "
+              "unscale the masters' gradients, which exist only inside MasterWeights::step); give one of them");
+  TORCH_CHECK(!model.master_weights || (model.optimizer == nullptr && static_cast<bool>(model.make_optimizer)),
+              "plan_regions: RegionModel::master_weights needs make_optimizer (called with the masters' "
+              "optimized() tensors), not an optimizer over the model's own parameters");
+  TORCH_CHECK(!model.grad_scaler || model.optimizer != nullptr || static_cast<bool>(model.make_optimizer),
+              "plan_regions: RegionModel::grad_scaler needs an optimizer (RegionModel::optimizer or "
+              "make_optimizer) for the scaler to step");
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
   PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
@@ -837,7 +1075,8 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   Pick within = cheapest_within(search, std::max(limit, search.min_peak));
   const Pick at_min_peak = limit <= search.min_peak ? within : cheapest_within(search, search.min_peak);
   CheckpointPlan plan = assemble(model, options, shapes, profiles, cands, terms, limit, within, at_min_peak);
-  if (!carries_tensors(shapes)) {
+  const bool recipe = RecipeStep::wanted(model);
+  if (!carries_tensors(shapes) && !recipe) {
     return plan;
   }
   // Note [Regions with several tensors]: the plan weighed by its whole step
@@ -849,6 +1088,12 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     try {
       whole = whole_step_on_meta(model, terms, plan);
     } catch (const c10::Error& e) {
+      // Note [Planned steps with a scaler or master weights]: no composition
+      // stands in for the scaler's or the masters' step.
+      TORCH_CHECK(!recipe, "plan_regions: the planned step with its ",
+                  model.grad_scaler ? "GradScaler" : "fp32 master weights",
+                  " has no meta path as a whole (", first_line(e.what_without_backtrace()),
+                  "), and the regions' composition leaves its bytes out: not planned");
       TORCH_WARN("plan_regions: the planned step has no meta path as a whole (",
                  first_line(e.what_without_backtrace()), "); its peak is the regions' composition");
       return plan;
@@ -860,6 +1105,12 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     const bool over = options.budget_bytes() > 0 && whole.peak_bytes > options.budget_bytes();
     const bool composed_fits = plan.feasible;  // else it is the least-peak plan already
     plan.feasible = composed_fits && !over;
+    if (recipe && !composed_fits) {
+      // The least-peak plan's own whole step: the smallest peak reported
+      // with the scaler's or the masters' bytes (Note [Planned steps with a
+      // scaler or master weights]).
+      plan.min_peak_bytes = whole.peak_bytes;
+    }
     if (!over || !composed_fits || round == 4 ||
         dp_limit - (whole.peak_bytes - options.budget_bytes()) < search.min_peak) {
       return plan;

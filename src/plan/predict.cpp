@@ -613,6 +613,14 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
   }
   enable_cpu_meta_kernels();
   std::lock_guard<std::mutex> lock(prediction_mutex());
+  return detail::predict_step_function_locked(modules, optimizers, step, warmup_steps);
+}
+
+namespace detail {
+
+StepFunctionPeak predict_step_function_locked(const std::vector<torch::nn::Module*>& modules,
+                                              const std::vector<torch::optim::Optimizer*>& optimizers,
+                                              const std::function<void()>& step, int64_t warmup_steps) {
   detail::PredictionScope prediction;  // Note [Init replayed on materialize]: nothing recorded
   detail::StepFunctionStateGuard untouched(modules, optimizers);
   auto& meta = MetaAllocator::get();
@@ -638,6 +646,8 @@ StepFunctionPeak predict_step_function(const std::vector<torch::nn::Module*>& mo
   r.scalar_reads = prediction.scalar_reads();  // Note [Scalar reads inside a prediction]
   return r;
 }
+
+} // namespace detail
 
 StepFunctionPeak measure_step_function(const std::vector<torch::nn::Module*>& modules,
                                        const std::vector<torch::optim::Optimizer*>& optimizers,

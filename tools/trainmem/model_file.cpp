@@ -104,13 +104,8 @@ std::vector<std::string> split_targets(const std::string& list) {
   return out;
 }
 
-// --precision with --model (fp16 autocast for estimate only: the planner's
-// regions have no GradScaler).
-Precision model_precision(const std::string& precision, bool allow_fp16) {
-  if (precision == "fp16-autocast" && !allow_fp16) {
-    throw UsageError("--precision fp16-autocast with plan --model: the planner's regions run no GradScaler; drop "
-                     "--precision or use bf16-autocast, bf16 or fp32 (estimate --model predicts fp16-autocast)");
-  }
+// --precision with --model: any of the five, for estimate and plan alike.
+Precision model_precision(const std::string& precision) {
   try {
     return parse_precision(precision);
   } catch (const c10::Error& e) {
@@ -126,7 +121,7 @@ ModelEstimateOptions estimate_options(const ModelFileFlags& f, int64_t batch, in
   if (f.zero < 0 || f.zero > 3) {
     throw UsageError("expected --zero 0, 1, 2 or 3, but got " + std::to_string(f.zero));
   }
-  auto o = model_options(batch, seq_len, precision, f.lora, /*allow_fp16=*/true).ranks(f.ranks).zero(f.zero);
+  auto o = model_options(batch, seq_len, precision, f.lora).ranks(f.ranks).zero(f.zero);
   o.checkpoint(f.checkpoint);
   if (cuda != nullptr) {
     o.cuda(*cuda);
@@ -137,8 +132,8 @@ ModelEstimateOptions estimate_options(const ModelFileFlags& f, int64_t batch, in
 } // namespace
 
 ModelEstimateOptions model_options(int64_t batch, int64_t seq_len, const std::string& precision,
-                                   const LoraFlags& lora, bool allow_fp16) {
-  auto o = ModelEstimateOptions().batch(batch).seq_len(seq_len).precision(model_precision(precision, allow_fp16));
+                                   const LoraFlags& lora) {
+  auto o = ModelEstimateOptions().batch(batch).seq_len(seq_len).precision(model_precision(precision));
   if (lora.rank > 0) {
     if (lora.targets.empty()) {
       throw UsageError(fmt::format("--lora-rank {}: name the layers to adapt with --lora-targets, such as "
@@ -318,8 +313,24 @@ std::string plan_assumes(const ModelEstimateOptions& o) {
   if (o.lora()) {
     lora = fmt::format(", LoRA r {} on {} (the rest frozen)", o.lora()->rank(), fmt::join(o.lora()->targets(), ","));
   }
-  return fmt::format("{}{}, AdamW", precision_name(o.precision()), lora);
+  std::string recipe;  // Note [Planned steps with a scaler or master weights]
+  if (o.precision() == Precision::kFp16Autocast) {
+    recipe = " (loss scaled by a GradScaler, its tensors counted)";
+  } else if (o.precision() == Precision::kBf16Master) {
+    recipe = " (bf16 weights and gradients, AdamW over fp32 master weights)";
+  }
+  return fmt::format("{}{}{}, AdamW", precision_name(o.precision()), recipe, lora);
 }
+
+// AdamW over all it is given: MasterWeights' optimized() tensors (its
+// masters require no gradient, so adamw_of_trainable would drop them).
+std::unique_ptr<torch::optim::Optimizer> adamw_of_all(const std::vector<at::Tensor>& params) {
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
+}
+
+// Whether the planned step runs a GradScaler or master weights: its plan's
+// predicted peak is already its whole step on meta (plan_regions).
+bool has_recipe(const RegionModel& m) { return m.grad_scaler.has_value() || m.master_weights; }
 
 // AdamW over the parameters that train (LoRA leaves the base frozen).
 std::unique_ptr<torch::optim::Optimizer> adamw_of_trainable(const std::vector<at::Tensor>& params) {
@@ -342,7 +353,7 @@ void run_plan_model_cuda(const std::string& path, const HfConfig& config, int64_
     model = build_model(config, o);
   }
   auto m = model_regions(model, o, c10::kCUDA);
-  m.make_optimizer = adamw_of_trainable;
+  m.make_optimizer = m.master_weights ? adamw_of_all : adamw_of_trainable;  // the masters, or what trains
   const auto r = plan_regions_cuda(m, *model.module, PlanOptions().budget_bytes(budget).selective(selective),
                                    kind, cuda);
   if (json) {
@@ -471,6 +482,13 @@ HfModel build_plan_model(const HfConfig& config, const ModelEstimateOptions& o, 
 CheckedPlan plan_checked_by_whole_step(const RegionModel& m, const HfModel& on_meta, const ModelEstimateOptions& o,
                                        int64_t budget, bool selective) {
   const auto whole_step = [&](const CheckpointPlan& p) {
+    if (has_recipe(m)) {
+      // plan_regions weighed it by its whole step with the scaler or masters.
+      StepPeak w;
+      w.peak_bytes = p.predicted_peak_bytes;
+      w.phase = p.peak_phase;
+      return w;
+    }
     const auto tm = model_regions(on_meta, o, c10::kCPU);
     const auto topt = adamw_of_trainable(on_meta.module->parameters());
     const auto checkpointing = p.checkpointing();
@@ -569,6 +587,14 @@ void run_plan_model(const std::string& path, int64_t budget, const ModelEstimate
     run_plan_model_cuda(path, config, budget, o, selective, json, *cuda, kind, device);
     return;
   }
+  if (run && (o.precision() == Precision::kFp16Autocast || o.precision() == Precision::kBf16Master)) {
+    throw UsageError(fmt::format("--run with --precision {}: the CPU run measures the plain step (backward, "
+                                 "AdamW's step), not one with {}; plan without --run (the plan's peak is its whole "
+                                 "step on meta, {} included)",
+                                 precision_name(o.precision()),
+                                 o.precision() == Precision::kFp16Autocast ? "a GradScaler" : "fp32 master weights",
+                                 o.precision() == Precision::kFp16Autocast ? "the scaler" : "the masters"));
+  }
   if (run) {
     CpuMemoryTracker::install();  // before the model: every CPU byte of the run is counted
   }
@@ -576,7 +602,11 @@ void run_plan_model(const std::string& path, int64_t budget, const ModelEstimate
   HfModel model = build_plan_model(config, o, run);
   auto m = model_regions(model, o, c10::kCPU);
   auto opt = adamw_of_trainable(model.module->parameters());
-  m.optimizer = opt.get();
+  if (m.master_weights) {
+    m.make_optimizer = adamw_of_all;  // over the masters, which plan_regions makes
+  } else {
+    m.optimizer = opt.get();
+  }
   HfModel twin;  // the whole step is checked on meta also when the model runs on CPU
   if (run) {
     twin = build_plan_model(config, o, /*run=*/false);

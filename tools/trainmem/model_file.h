@@ -22,11 +22,11 @@ struct LoraFlags {
 /// Adds --lora-rank, --lora-alpha and --lora-targets to `sub`.
 void add_lora_flags(CLI::App& sub, LoraFlags& flags);
 
-/// estimate_model()'s options for a micro-batch, a --precision (fp16-autocast
-/// only with `allow_fp16`: the planner's regions run no GradScaler) and the
-/// LoRA flags. Throws UsageError naming a bad value.
+/// estimate_model()'s options for a micro-batch, a --precision (any of the
+/// five: estimate and plan honour them all) and the LoRA flags. Throws
+/// UsageError naming a bad value.
 ModelEstimateOptions model_options(int64_t batch, int64_t seq_len, const std::string& precision,
-                                   const LoraFlags& lora, bool allow_fp16 = false);
+                                   const LoraFlags& lora);
 
 struct ModelFileFlags {
   std::string path;   ///< --model: the config.json

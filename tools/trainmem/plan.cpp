@@ -284,8 +284,10 @@ void add_plan_command(CLI::App& app) {
                   "a Hugging Face style config.json (gpt2, llama, mistral, qwen2 or qwen3, as transformers 5.24.0 computes them): plan that model on meta instead "
                   "(--batch and --seq-len give its micro-batch)");
   sub->add_flag("--run", f->run_model, "with --model: also build it on CPU and run one step under the plan");
-  sub->add_option("--precision", f->precision, "with --model: fp32, bf16-autocast or bf16 (a model held in bf16)")
-      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast"}))
+  sub->add_option("--precision", f->precision,
+                  "with --model: fp32, bf16-autocast, bf16 (a model held in bf16), fp16-autocast (with a "
+                  "GradScaler) or bf16-master (bf16 weights, fp32 master weights)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast", "bf16-master"}))
       ->capture_default_str();
   add_lora_flags(*sub, f->lora);
   add_gpu_flag(*sub, f->gpu);

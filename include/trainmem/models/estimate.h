@@ -205,9 +205,12 @@ TRAINMEM_API HfModel build_model(const HfConfig& config, const ModelEstimateOpti
 
 /// `model`'s training step as plan_regions() sees it (hf_region_model() at
 /// options' batch and seq_len), with every region and the loss run under
-/// autocast in bf16 for `autocast_device` when options.precision() is
-/// kBf16Autocast (kCPU for plan_regions and a CPU run, kCUDA for
-/// plan_regions_cuda). Throws as hf_region_model().
+/// autocast in bf16 (kBf16Autocast) or fp16 (kFp16Autocast) for
+/// `autocast_device` (kCPU for plan_regions and a CPU run, kCUDA for
+/// plan_regions_cuda); with RegionModel::grad_scaler set (default options)
+/// for kFp16Autocast and RegionModel::master_weights for kBf16Master, so the
+/// planned step is estimate_model()'s (its make_optimizer is the caller's
+/// to set). Throws as hf_region_model().
 TRAINMEM_API RegionModel model_regions(const HfModel& model, const ModelEstimateOptions& options,
                                        c10::DeviceType autocast_device = c10::kCPU);
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_set>
@@ -22,9 +23,12 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "trainmem/grad_scaler.h"
+#include "trainmem/master_weights.h"
 #include "trainmem/planner.h"
 #include "trainmem/selective.h"
 #include "plan/detail/meta_allocator.h"  // prediction_mutex()
+#include "plan/detail/meta_step.h"       // StepPoint
 
 namespace trainmem::detail {
 
@@ -102,6 +106,50 @@ SlotMask counted_out(const BlockProfile& prof, SlotMask counted);
 // arguments checked.
 StepPeak predict_step_peak_locked(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
                                   torch::optim::Optimizer* optimizer);
+
+// The step of a RegionModel with a GradScaler or fp32 master weights (Note
+// [Planned steps with a scaler or master weights]): the scaler, or the
+// masters of the trainable tensors among `params`, and the optimizer the
+// step uses (model.optimizer, or one model.make_optimizer made: over
+// `params`, or over the masters' optimized()). Throws, naming it, for
+// master_weights without make_optimizer, with optimizer, or with a scaler.
+class RecipeStep {
+ public:
+  RecipeStep(const RegionModel& model, const std::vector<at::Tensor>& params, const char* who);
+  // Whether `model` asks for a scaler or master weights.
+  static bool wanted(const RegionModel& model) { return model.grad_scaler.has_value() || model.master_weights; }
+  // The masters' module (its parameters are the masters), or null.
+  torch::nn::Module* masters() const { return masters_ ? masters_->ptr().get() : nullptr; }
+  torch::optim::Optimizer& optimizer() const { return *opt_; }
+  // One step: gradients of `modules` to none, `forward()` (the loss), then
+  // `scaler.scale(loss).backward()`, unscale_, step and update, the loss
+  // live to the end; or `loss.backward()`, the loss freed, and the masters'
+  // step. `mark` (when set) is called at kBegin, kBackward (the loss made),
+  // kOptimizerStep (backward done) and kEnd.
+  void run(const std::vector<torch::nn::Module*>& modules, const std::function<at::Tensor()>& forward,
+           const std::function<void(StepPoint)>& mark = {});
+  // What follows backward: the scaler's unscale_, step and update, or the
+  // masters' step.
+  void optimizer_step();
+  // The scaler's scale and growth tracker made, on `device`, as its first
+  // scale() makes them; nothing without a scaler.
+  void prime(c10::Device device);
+  // Bytes of the scaler's own tensors (0 before prime() or a step, or
+  // without a scaler).
+  int64_t scaler_bytes() const;
+
+ private:
+  std::optional<MasterWeights> masters_;
+  std::optional<GradScaler> scaler_;
+  std::unique_ptr<torch::optim::Optimizer> made_;
+  torch::optim::Optimizer* opt_ = nullptr;
+};
+
+// predict_step_function() with prediction_mutex() held by the caller, its
+// arguments checked.
+StepFunctionPeak predict_step_function_locked(const std::vector<torch::nn::Module*>& modules,
+                                              const std::vector<torch::optim::Optimizer*>& optimizers,
+                                              const std::function<void()>& step, int64_t warmup_steps);
 
 // Runs regions [first, first + count) on `xs`, each taking the one before's
 // outputs.
