@@ -10,6 +10,8 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
@@ -195,6 +197,34 @@ TEST(PredictScalarReadTest, SavedActivationsListTheReads) {
   // A meter's own report lists none.
   trainmem::SavedTensorMeter meter;
   EXPECT_TRUE(meter.report().scalar_reads.empty());
+}
+
+// plan_regions lists the reads its loss made while planning (a loss that
+// logs itself), and plans as without them.
+TEST(PredictScalarReadTest, PlanRegionsListsTheReads) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::Tanh(), torch::nn::Linear(64, 8));
+  trainmem::RegionModel m;
+  m.regions = trainmem::regions_of(net);
+  m.input = [](c10::Device device) { return at::empty({16, 32}, at::TensorOptions().device(device)); };
+  m.loss = [](const at::Tensor& y) { return y.pow(2).mean(); };
+  const auto plain = trainmem::plan_regions(m);
+  EXPECT_TRUE(plain.scalar_reads.empty());
+  std::vector<double> logged;
+  m.loss = [&](const at::Tensor& y) {
+    auto loss = y.pow(2).mean();
+    logged.push_back(loss.item<double>());
+    return loss;
+  };
+  const auto plan = trainmem::plan_regions(m);
+  ASSERT_EQ(plan.scalar_reads.size(), 1u);
+  EXPECT_EQ(plan.scalar_reads[0].op, "aten::_local_scalar_dense");
+  EXPECT_EQ(plan.scalar_reads[0].value, "0");
+  EXPECT_EQ(plan.scalar_reads[0].num_reads, static_cast<int64_t>(logged.size()));
+  EXPECT_EQ(plan.predicted_peak_bytes, plain.predicted_peak_bytes);
+  EXPECT_NE(trainmem::to_string(plan).find("values read from meta (a real run's control flow may differ): "),
+            std::string::npos)
+      << trainmem::to_string(plan);
 }
 
 // Outside a prediction a meta .item() throws, as in LibTorch, and

@@ -396,6 +396,11 @@ struct TRAINMEM_API CheckpointPlan {
   int64_t composed_peak_bytes = 0;
   /// Plans weighed against their whole step (0: none).
   int64_t whole_step_rounds = 0;
+  /// plan_regions(): the values the regions, the loss and the whole step
+  /// read from meta tensors while planning (`.item()`...), each given a
+  /// documented value (Note [Scalar reads inside a prediction]); the text
+  /// lists them.
+  std::vector<ScalarRead> scalar_reads;
 
   /// The plan as Transformer::forward takes it.
   BlockCheckpointing checkpointing() const;

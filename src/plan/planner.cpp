@@ -1036,6 +1036,17 @@ std::vector<const BlockProfile*> Candidates::choices(int64_t i, int64_t k) const
 
 } // namespace detail
 
+namespace {
+
+// The plan with the values its profiling and whole-step runs read from meta
+// (Note [Scalar reads inside a prediction]).
+CheckpointPlan with_reads(CheckpointPlan plan, const detail::PredictionScope& prediction) {
+  plan.scalar_reads = prediction.scalar_reads();
+  return plan;
+}
+
+} // namespace
+
 CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options) {
   using namespace detail;
   TORCH_CHECK(options.budget_bytes() >= 0,
@@ -1077,7 +1088,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
   CheckpointPlan plan = assemble(model, options, shapes, profiles, cands, terms, limit, within, at_min_peak);
   const bool recipe = RecipeStep::wanted(model);
   if (!carries_tensors(shapes) && !recipe) {
-    return plan;
+    return with_reads(std::move(plan), prediction);
   }
   // Note [Regions with several tensors]: the plan weighed by its whole step
   // on meta; while that is over the budget, the DP's limit is lowered by the
@@ -1096,7 +1107,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
                   "), and the regions' composition leaves its bytes out: not planned");
       TORCH_WARN("plan_regions: the planned step has no meta path as a whole (",
                  first_line(e.what_without_backtrace()), "); its peak is the regions' composition");
-      return plan;
+      return with_reads(std::move(plan), prediction);
     }
     plan.composed_peak_bytes = plan.predicted_peak_bytes;
     plan.whole_step_rounds = round;
@@ -1113,7 +1124,7 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
     }
     if (!over || !composed_fits || round == 4 ||
         dp_limit - (whole.peak_bytes - options.budget_bytes()) < search.min_peak) {
-      return plan;
+      return with_reads(std::move(plan), prediction);
     }
     dp_limit -= whole.peak_bytes - options.budget_bytes();
     within = cheapest_within(search, dp_limit);

@@ -17,6 +17,7 @@
 #include "trainmem/checkpoint.h"
 #include "trainmem/format.h"
 #include "trainmem/selective.h"
+#include "core/detail/prediction_scope.h"
 #include "plan/detail/plan_internal.h"
 
 namespace trainmem {
@@ -247,6 +248,7 @@ std::string to_string(const CheckpointPlan& p) {
     os << fmt::format("  the search bucketed stored bytes: no plan is cheaper within the budget less {} B\n",
                       with_commas(p.bucket_bytes));
   }
+  os << detail::scalar_reads_line(p.scalar_reads);  // Note [Scalar reads inside a prediction]
   return os.str();
 }
 
