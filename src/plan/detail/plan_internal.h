@@ -391,6 +391,16 @@ struct StaticTerms {
 };
 
 // The tensors between regions, and where the regions run to be profiled.
+// Stage 1 (static_terms.cpp): parameters, buffers, the optimizer (its state
+// and its step's transient) and the step's input.
+StaticTerms account_regions(const RegionModel& model);
+
+// The whole step with its scaler or masters on meta (recipe_step.cpp; Note
+// [Planned steps with a scaler or master weights]): a warm-up step, then the
+// measured one, the scaler's own tensors counted.
+StepPeak recipe_step_on_meta(const RegionModel& model, torch::nn::Module& all, const std::vector<at::Tensor>& params,
+                             const std::function<at::Tensor()>& forward);
+
 struct RegionShapes {
   std::vector<BoundarySpec> specs;         // L + 1: the input of each region, then the output
   std::vector<bool> cpu;                   // region i runs on CPU to be profiled
