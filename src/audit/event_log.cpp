@@ -179,6 +179,9 @@ Phase Audit::Impl::phase_at(int64_t t) const {
 }
 
 int64_t Audit::Impl::first_backward_after(int64_t t) const {
+  if (t > last_backward_ns) {
+    return INT64_MAX;  // the optimizer's step after the last backward: most of its blocks
+  }
   auto it = std::lower_bound(spans.begin(), spans.end(), t,
                              [](const Span& s, int64_t x) { return s.begin_ns < x; });
   for (; it != spans.end(); ++it) {
@@ -204,18 +207,16 @@ Category Audit::Impl::category_of_freed(const MemoryEvent& a, int64_t free_ns) c
   if (grad_sightings.seen_between(a.address, a.time_ns, free_ns)) {
     return Category::kGradient;  // a gradient, whoever freed it
   }
-  if (a.time_ns < step_begin_ns || free_ns < first_backward_after(a.time_ns)) {
+  // The cheap tests first: most blocks of a step are backward's and the
+  // optimizer's temporaries (Note [Categories from lifetimes]).
+  if (a.phase == Phase::kBackward || a.time_ns < step_begin_ns || free_ns < first_backward_after(a.time_ns)) {
     return Category::kTemporary;
   }
-  const Span* made_in = span_at(a.time_ns);
-  if (made_in->phase == Phase::kForward && !made_in->no_grad) {
-    return Category::kActivation;
+  if (a.phase == Phase::kForward) {
+    return span_at(a.time_ns)->no_grad ? Category::kInput : Category::kActivation;
   }
-  if (made_in->phase == Phase::kBackward) {
-    return Category::kTemporary;
-  }
-  // Made by a pass without grad or between an optimizer's step and the
-  // next forward, and read by a later forward and backward: the update's data.
+  // Made between an optimizer's step and the next forward, and read by a
+  // later forward and backward: the update's data.
   return Category::kInput;
 }
 
@@ -242,6 +243,12 @@ Category Audit::Impl::category_of_live(const MemoryEvent& a, const std::unordere
 
 void Audit::Impl::classify_step_events(const std::vector<detail::RecordedEvent>& raw) {
   grad_sightings.seal();
+  last_backward_ns = -1;
+  for (const auto& s : spans) {
+    if (s.phase == Phase::kBackward) {
+      last_backward_ns = s.begin_ns;
+    }
+  }
   timeline.num_dropped_events += recorder->take_num_dropped();
   // Blocks of the baseline freed in this step leave "before the audit";
   // those made since the Audit and freed between the first step and the

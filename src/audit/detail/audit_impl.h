@@ -205,6 +205,7 @@ struct Audit::Impl : std::enable_shared_from_this<Audit::Impl> {
   int64_t baseline_named_bytes = 0;  // of the baseline, named since recording began (label, mark_input)
   std::vector<Span> spans;
   Sightings grad_sightings;  // Note [Steps within a step]
+  int64_t last_backward_ns = -1;  // the step's last backward began (classify_step_events)
   bool inferred_optimizer = false;  // a step was inferred (no optimizer added)
   int64_t inferred_state_bytes = 0;  // live OPTIMIZER_STATE at the last step's end, when inferred
   std::unique_ptr<PeakWindow> window;
