@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -193,11 +194,7 @@ StepSummary summarize_steps(const std::vector<StepRecord>& steps) {
         v.push_back(get(s));
       }
     }
-    if (v.empty()) {
-      return StepStat{};
-    }
-    std::sort(v.begin(), v.end());
-    return StepStat{v.front(), v[(v.size() - 1) / 2], v.back()};
+    return stat_of(std::move(v));
   };
   StepSummary sum;
   sum.num_steps = static_cast<int64_t>(steps.size());
