@@ -3,60 +3,20 @@
 // [Checkpoint planner]).
 #include "trainmem/planner.h"
 
-#include <algorithm>
-#include <cctype>
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <deque>
-#include <limits>
-#include <map>
-#include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
-#include <utility>
+#include <vector>
 
-#include <ATen/Context.h>
-#include <ATen/OpMathType.h>
-#include <ATen/core/Generator.h>
-#include <ATen/TensorOperators.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/record_function.h>
-#include <ATen/ops/_scaled_dot_product_attention_math.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/empty_strided.h>
-#include <ATen/ops/randn.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/mean.h>
-#include <ATen/ops/pow.h>
-#include <ATen/ops/sum.h>
-#include <c10/core/Allocator.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <torch/csrc/autograd/function.h>  // Node: node.h only since 2.13
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/library.h>
 #include <torch/nn/module.h>
-#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
-#include "trainmem/accountant.h"
-#include "trainmem/allocator.h"
-#include "trainmem/meta.h"
-#include "trainmem/format.h"
 #include "detail/backward_on_meta.h"
-#include "core/detail/checkpoint_state.h"
-#include "core/detail/prediction_scope.h"
-#include "detail/intercept.h"
 #include "detail/optimizer_state.h"
-#include "detail/process_library.h"
 #include "plan/detail/plan_internal.h"
 
 namespace trainmem::detail {
