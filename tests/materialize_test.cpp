@@ -24,8 +24,11 @@
 #include "trainmem/allocator.h"
 #include "trainmem/models/gpt.h"
 #include "trainmem/models/transformer.h"
+#include "support/error_of.h"
 
 namespace {
+
+using trainmem::testing::error_of;
 
 // Every parameter and buffer of `a` is on the CPU and equal, bit for bit, to
 // the one of the same name in `b`.
@@ -249,17 +252,12 @@ TEST(MaterializeTest, RefusesATensorFromOutsideTheRecordNamingParameterAndOp) {
     torch::NoGradGuard no_grad;
     lin->weight.copy_(outside);
   }
-  try {
-    trainmem::materialize(*lin, at::kCPU);
-    FAIL() << "materialize replayed a copy from a tensor it never saw";
-  } catch (const c10::Error& e) {
-    const std::string m = e.what_without_backtrace();
-    EXPECT_NE(m.find("cannot give weight the values"), std::string::npos) << m;
-    EXPECT_NE(m.find("aten::copy_ read a meta tensor of size [3, 4] not made under the MetaInitGuard"),
-              std::string::npos)
-        << m;
-    EXPECT_EQ(m.find("bias"), std::string::npos) << m;
-  }
+  const std::string m = error_of([&] { trainmem::materialize(*lin, at::kCPU); });
+  EXPECT_NE(m.find("cannot give weight the values"), std::string::npos) << m;
+  EXPECT_NE(m.find("aten::copy_ read a meta tensor of size [3, 4] not made under the MetaInitGuard"),
+            std::string::npos)
+      << m;
+  EXPECT_EQ(m.find("bias"), std::string::npos) << m;
   EXPECT_TRUE(lin->weight.is_meta());
   EXPECT_TRUE(lin->bias.is_meta());
 }
@@ -276,16 +274,11 @@ TEST(MaterializeTest, RefusesARealTensorChangedSinceTheConstruction) {
     lin->weight.copy_(table);
   }
   table.add_(1);
-  try {
-    trainmem::materialize(*lin, at::kCPU);
-    FAIL() << "materialize copied a tensor that changed";
-  } catch (const c10::Error& e) {
-    const std::string m = e.what_without_backtrace();
-    EXPECT_NE(m.find("cannot give weight the values its construction gave: aten::copy_ read a real tensor of "
-                     "size [3, 4] that was changed after the construction (version 0, now 1)"),
-              std::string::npos)
-        << m;
-  }
+  const std::string m = error_of([&] { trainmem::materialize(*lin, at::kCPU); });
+  EXPECT_NE(m.find("cannot give weight the values its construction gave: aten::copy_ read a real tensor of "
+                   "size [3, 4] that was changed after the construction (version 0, now 1)"),
+            std::string::npos)
+      << m;
   EXPECT_TRUE(lin->weight.is_meta());
 }
 
@@ -426,18 +419,13 @@ TEST(MaterializeTest, RefusesWhatFollowsAReadThatFailedOnMeta) {
     EXPECT_THROW(torch::equal(first->weight, first->weight), c10::Error);
     seq = torch::nn::Sequential(first, torch::nn::Linear(4, 2));
   }
-  try {
-    trainmem::materialize(*seq, at::kCPU);
-    FAIL() << "materialize replayed a construction that read values from meta";
-  } catch (const c10::Error& e) {
-    const std::string m = e.what_without_backtrace();
-    EXPECT_NE(m.find("materialize: cannot give 1.weight the values its construction gave: aten::equal threw on "
-                     "meta, where a CPU construction runs it"),
-              std::string::npos)
-        << m;
-    EXPECT_NE(m.find("nor 1.bias"), std::string::npos) << m;
-    EXPECT_EQ(m.find("0.weight"), std::string::npos) << m;
-  }
+  const std::string m = error_of([&] { trainmem::materialize(*seq, at::kCPU); });
+  EXPECT_NE(m.find("materialize: cannot give 1.weight the values its construction gave: aten::equal threw on "
+                   "meta, where a CPU construction runs it"),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("nor 1.bias"), std::string::npos) << m;
+  EXPECT_EQ(m.find("0.weight"), std::string::npos) << m;
   EXPECT_TRUE(seq->ptr(0)->parameters()[0].is_meta());
 }
 
