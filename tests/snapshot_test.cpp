@@ -483,3 +483,103 @@ TEST(SnapshotTest, StoredCopiesOfPrivatePoolsAndTheOldFormatAreRead) {
   EXPECT_EQ(o.recorded.peak_reserved_bytes, 11'844'714'496);
   EXPECT_EQ(o.recorded.peak_requested_bytes, 11'840'159'744);
 }
+
+namespace {
+
+using trainmem::SnapshotBlock;
+using trainmem::SnapshotSegment;
+using trainmem::TraceEntry;
+
+constexpr int64_t kMiB = 1 << 20;
+
+SnapshotSegment expandable_segment(uint64_t address, const char* type, std::vector<SnapshotBlock> blocks) {
+  SnapshotSegment sg;
+  sg.address = address;
+  sg.segment_type = type;
+  sg.expandable = true;
+  for (const auto& b : blocks) sg.total_bytes += b.size_bytes;
+  sg.blocks = std::move(blocks);
+  return sg;
+}
+
+} // namespace
+
+// Note [Expandable segments mapped before recording], on a recording made
+// by hand by the allocator's rules (expandable_segments:True, 20 MiB large
+// pages): 20 MiB mapped before recording at B holding an 8 MiB block live
+// then. The trace allocates 4 MiB (the front of the free 12 MiB, at B + 8
+// MiB), then 16 MiB: find_expandable_block takes the free 8 MiB left at B +
+// 12 MiB with the unmapped space after it and maps one 20 MiB page at B + 20
+// MiB (segment_map), and the block starts at B + 12 MiB. The final snapshot
+// shows one 40 MiB run. Unseeded, the 8 MiB block mapped pages of its own
+// and the replay diverged at the first alloc.
+TEST(SnapshotTest, ReplaysExpandablePagesMappedBeforeRecording) {
+  const uint64_t B = uint64_t{1} << 36;
+  trainmem::Snapshot snap;
+  snap.alloc_conf = "expandable_segments:True";
+  snap.segments.push_back(expandable_segment(B, "large", {{B, 8 * kMiB, 8 * kMiB, "active_allocated"},
+                                                          {B + 8 * kMiB, 4 * kMiB, 4 * kMiB, "active_allocated"},
+                                                          {B + 12 * kMiB, 16 * kMiB, 16 * kMiB, "active_allocated"},
+                                                          {B + 28 * kMiB, 12 * kMiB, 0, "inactive"}}));
+  snap.traces = {TraceEntry{"alloc", B + 8 * kMiB, 4 * kMiB}, TraceEntry{"segment_map", B + 20 * kMiB, 20 * kMiB},
+                 TraceEntry{"alloc", B + 12 * kMiB, 16 * kMiB}};
+  const auto config = trainmem::CudaAllocatorConfig::parse(*snap.alloc_conf);
+  const auto r = trainmem::replay_snapshot(snap, config);
+  EXPECT_EQ(r.num_preexisting_blocks, 1);
+  EXPECT_EQ(r.preexisting_reserved_bytes, 20 * kMiB);
+  EXPECT_EQ(r.recorded.peak_reserved_bytes, 40 * kMiB);
+  EXPECT_EQ(r.recorded.num_segment_allocs, 1);
+  EXPECT_TRUE(r.matches) << r.mismatch;
+  EXPECT_EQ(r.model.peak_reserved_bytes, 40 * kMiB);
+  EXPECT_EQ(r.model.num_segment_allocs, 1);
+  EXPECT_EQ(r.model.peak_allocated_bytes, 28 * kMiB);
+}
+
+// The two-GPU form of albi2/thesis-text-to-SQL's dump_snapshot.pickle at
+// b4c280e (expandable_segments:True, an empty trace on each device), its
+// segments written here as the file has them: device 0 a 2 MiB small run with
+// two 15,872 B blocks and a 40 MiB large run with the 8,519,680 B cuBLAS
+// workspace 16,120,832 B in. The replay modelled 23,068,672 B reserved (each
+// live block mapping pages of its own) against 44,040,192 B recorded.
+TEST(SnapshotTest, ReplaysASnapshotOfExpandableSegmentsWithoutATrace) {
+  trainmem::Snapshot snap;
+  snap.alloc_conf = "expandable_segments:True,max_split_size_mb:128";
+  const uint64_t S = 17'213'423'616, L = 39'606'812'672;
+  snap.segments.push_back(expandable_segment(S, "small", {{S, 180'224, 256, "inactive"},
+                                                          {S + 180'224, 15'872, 15'704, "active_allocated"},
+                                                          {S + 196'096, 15'872, 15'704, "active_allocated"},
+                                                          {S + 211'968, 1'885'184, 0, "inactive"}}));
+  snap.segments.push_back(expandable_segment(L, "large", {{L, 16'120'832, 0, "inactive"},
+                                                          {L + 16'120'832, 8'519'680, 8'519'680, "active_allocated"},
+                                                          {L + 24'640'512, 17'302'528, 0, "inactive"}}));
+  const auto r = trainmem::replay_snapshot(snap, trainmem::CudaAllocatorConfig::parse(*snap.alloc_conf));
+  EXPECT_EQ(r.num_preexisting_blocks, 3);
+  EXPECT_EQ(r.recorded.peak_reserved_bytes, 44'040'192);
+  EXPECT_TRUE(r.matches) << r.mismatch;
+  EXPECT_EQ(r.model.peak_reserved_bytes, 44'040'192);
+  EXPECT_EQ(r.model.peak_allocated_bytes, 8'519'680 + 2 * 15'872);
+}
+
+// Ten streams on one device (github.com/Maphsge4/select_n at 04d383c, no
+// licence: read from $TRAINMEM_SNAPSHOT_DIR/recordings, skipped elsewhere): a
+// compute stream and eight load streams, 242 switches between them, each
+// stream's free blocks reused by that stream alone. Replayed exactly:
+// 584 cudaMalloc and 579 cudaFree at the recorded events, every block at its
+// recorded address, peak reserved 22,519,218,176 B.
+TEST(SnapshotTest, ReplaysARecordingWithTenStreams) {
+  const auto path = recording("Maphsge4+select_n/snapshot_04d383c.pickle");
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no recording at " << path;
+  const auto snap = trainmem::read_snapshot(path);
+  std::set<int64_t> streams;
+  for (const auto& e : snap.traces) streams.insert(e.stream);
+  EXPECT_EQ(streams.size(), 10u);
+  const auto r = trainmem::replay_snapshot(snap);
+  EXPECT_EQ(r.num_events, 10327);
+  EXPECT_EQ(r.recorded.num_segment_allocs, 584);
+  EXPECT_EQ(r.recorded.num_segment_frees, 579);
+  EXPECT_EQ(r.recorded.peak_reserved_bytes, 22'519'218'176);
+  EXPECT_TRUE(r.matches) << r.mismatch;
+  EXPECT_EQ(r.model.num_segment_allocs, 584);
+  EXPECT_EQ(r.model.peak_reserved_bytes, 22'519'218'176);
+  EXPECT_EQ(r.model.peak_requested_bytes, 20'802'383'104);
+}

@@ -151,6 +151,9 @@ class TRAINMEM_API CudaCachingAllocatorModel {
   /// Frees the block at `address`. Throws c10::Error naming an address that
   /// is not allocated.
   void free(uint64_t address);
+  /// Whether a block returned by malloc() (or added allocated) is allocated
+  /// at `address` now.
+  bool is_allocated(uint64_t address) const;
   /// Gives the next cudaMalloc (not an expandable page map) the segment
   /// address `address`, as recorded in a snapshot's segment_alloc; later ones
   /// get made-up addresses again. Must not overlap another segment.
@@ -161,6 +164,16 @@ class TRAINMEM_API CudaCachingAllocatorModel {
   /// cudaMalloc. Throws c10::Error when the blocks do not tile it.
   void add_segment(uint64_t address, int64_t total_bytes, bool large_pool, int64_t stream,
                    const std::vector<CudaBlockInfo>& blocks);
+  /// Adds an expandable segment (`expandable_segments:True`) whose pages were
+  /// mapped before the model started: its address space from `base` (1 1/8
+  /// of the device, or 1 TiB without a device size), the pages of each of
+  /// `ranges` mapped (each range tiled by its blocks, lowest address first,
+  /// starting and ending on whole pages from `base`: 2 MiB small, the large
+  /// segment size large), the rest unmapped, for later maps to grow into.
+  /// Counts the mapped pages in reserved, not as maps. Throws c10::Error,
+  /// naming the range, when a range is not whole pages in order.
+  void add_expandable_segment(uint64_t base, bool large_pool, int64_t stream,
+                              const std::vector<std::vector<CudaBlockInfo>>& ranges);
   /// Returns every cached segment with no allocated block to the device
   /// (`torch.cuda.empty_cache()`); expandable segments unmap their free pages.
   void empty_cache();

@@ -308,12 +308,26 @@ RegionModel model_regions(const HfModel& model, const ModelEstimateOptions& opti
   const std::string tag = options.precision() == Precision::kFp16Autocast ? " (fp16 autocast)" : " (bf16 autocast)";
   std::vector<Region> wrapped;
   for (const auto& r : m.regions) {
-    wrapped.emplace_back(
-        r.name(),
-        [r, autocast_device, dtype](const at::Tensor& x) {
-          return run_under_autocast(autocast_device, dtype, [&] { return r(x); });
-        },
-        r.modules());
+    if (r.takes_tensors()) {  // the LLaMA family's, carrying the rotary tables
+      wrapped.emplace_back(
+          r.name(),
+          [r, autocast_device, dtype](const Region::Tensors& xs) {
+            Region::Tensors out;
+            run_under_autocast(autocast_device, dtype, [&] {
+              out = r(xs);
+              return at::Tensor();
+            });
+            return out;
+          },
+          r.modules());
+    } else {
+      wrapped.emplace_back(
+          r.name(),
+          [r, autocast_device, dtype](const at::Tensor& x) {
+            return run_under_autocast(autocast_device, dtype, [&] { return r(x); });
+          },
+          r.modules());
+    }
     if (!r.key().empty()) {
       wrapped.back().key(r.key() + tag);
     }

@@ -148,16 +148,18 @@ std::pair<at::Tensor, at::Tensor> LlamaImpl::rotary(int64_t T, const at::TensorO
   auto inv_freq = at::pow(options.rope_theta(), at::arange(0, hd, 2, f) / static_cast<double>(hd)).reciprocal();
   auto freqs = at::arange(T, f).unsqueeze(1) * inv_freq.unsqueeze(0);  // (T, hd / 2)
   auto emb = at::cat({freqs, freqs}, -1);                                 // (T, hd)
-  return {emb.cos(), emb.sin()};
+  // As LlamaRotaryEmbedding.forward: made in fp32, returned in the
+  // activations' dtype, the fp32 tables freed here (a copy for a bf16 model).
+  const auto dtype = opts.dtype().toScalarType();
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
 at::Tensor LlamaImpl::run_blocks(at::Tensor h, const at::Tensor& tokens, const BlockCheckpointing* plan) {
   auto [cos, sin] = rotary(tokens.size(1), h.options());
-  std::vector<at::Tensor> shared{cos.to(h.scalar_type()), sin.to(h.scalar_type())};
-  return detail::run_blocks("Llama", options.num_layers(), h, shared, plan,
-                              [this](int64_t i, const at::Tensor& y, const std::vector<at::Tensor>& cs) {
-                                return layers[i]->as<LlamaBlockImpl>()->forward(y, cs[0], cs[1]);
-                              });
+  return detail::run_blocks("Llama", options.num_layers(), h, {std::move(cos), std::move(sin)}, plan,
+                            [this](int64_t i, const at::Tensor& y, const std::vector<at::Tensor>& cs) {
+                              return layers[i]->as<LlamaBlockImpl>()->forward(y, cs[0], cs[1]);
+                            });
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {

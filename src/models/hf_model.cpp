@@ -245,18 +245,28 @@ RegionModel hf_region_model(const HfModel& model, int64_t batch, int64_t seq_len
     m.regions.emplace_back("head", [gpt](const at::Tensor& h) { return gpt->head(h); },
                            Modules{gpt->ln_f.ptr(), gpt->wte.ptr()});
   } else {
+    // The rotary tables are made once, with the embedding, and carried to
+    // every block as the model's run_blocks shares them (Note [Regions with
+    // several tensors]); the last block hands the head its output alone.
+    using T = Region::Tensors;
     auto llama = std::dynamic_pointer_cast<LlamaImpl>(model.module);
     m.regions.emplace_back(
-        "embed", [llama](const at::Tensor& tokens) { return llama->embed_tokens->forward(tokens); },
+        "embed",
+        [llama](const T& tokens) -> T {
+          auto h = llama->embed_tokens->forward(tokens[0]);
+          auto [cos, sin] = llama->rotary(h.size(1), h.options());
+          return {h, cos, sin};
+        },
         Modules{llama->embed_tokens.ptr()});
-    for (size_t i = 0; i < llama->layers->size(); ++i) {
+    const size_t L = llama->layers->size();
+    for (size_t i = 0; i < L; ++i) {
       auto block = std::dynamic_pointer_cast<LlamaBlockImpl>(llama->layers->ptr(i));
-      // As run_blocks: the tables in fp32, then in the activations' dtype.
+      const bool last = i + 1 == L;
       m.regions.emplace_back(
           fmt::format("layers.{}", i),
-          [llama, block](const at::Tensor& h) {
-            auto [cos, sin] = llama->rotary(h.size(1), h.options());
-            return block->forward(h, cos.to(h.scalar_type()), sin.to(h.scalar_type()));
+          [block, last](const T& x) -> T {
+            auto y = block->forward(x[0], x[1], x[2]);
+            return last ? T{y} : T{y, x[1], x[2]};
           },
           Modules{block});
     }

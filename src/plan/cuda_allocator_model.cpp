@@ -122,6 +122,18 @@ struct CudaCachingAllocatorModel::Impl {
   uint64_t next_address = 0x7f0000000000ULL;
   uint64_t pinned_address = 0;
 
+  // A block of a segment that was there before the model started: allocated
+  // (counted, freeable by address) or free in `pool`.
+  void take_seeded(Block* b, Pool& pool) {
+    if (b->allocated) {
+      active[b->ptr] = b;
+      add(s.allocated_bytes, s.peak_allocated_bytes, b->size);
+      add(s.requested_bytes, s.peak_requested_bytes, b->requested);
+    } else {
+      pool.insert(b);
+    }
+  }
+
   // add_segment(): a segment that was there before the model started.
   void add_segment(uint64_t address, int64_t total_bytes, bool large_pool, int64_t stream,
                    const std::vector<CudaBlockInfo>& blocks) {
@@ -145,14 +157,8 @@ struct CudaCachingAllocatorModel::Impl {
       b->prev = prev;
       if (prev != nullptr) prev->next = b;
       prev = b;
-      if (b->allocated) {
-        active[b->ptr] = b;
-        add(s.allocated_bytes, s.peak_allocated_bytes, b->size);
-        add(s.requested_bytes, s.peak_requested_bytes, b->requested);
-      } else {
-        pool.insert(b);
-        if (blocks.size() > 1) add_inactive_split(b->size);
-      }
+      take_seeded(b, pool);
+      if (!b->allocated && blocks.size() > 1) add_inactive_split(b->size);
     }
     add_reserved(total_bytes);
     s.num_segments += 1;
@@ -398,6 +404,74 @@ struct CudaCachingAllocatorModel::Impl {
 
   int64_t page_size(const Pool& pool) const { return pool.small ? kSmallBuffer : config.large_segment_bytes(); }
 
+  // An expandable segment's address space: 1 1/8 of the device, in whole
+  // pages (1 TiB without a capacity).
+  int64_t expandable_space(const Pool& pool) const {
+    const int64_t page = page_size(pool);
+    return config.device_bytes() > 0 ? (config.device_bytes() + config.device_bytes() / 8) / page * page
+                                     : (1LL << 40) / page * page;
+  }
+
+  // add_expandable_segment(): an expandable segment mapped before the model
+  // started, its pages mapped where `ranges` say (each tiled by its blocks),
+  // the rest of its address space from `base` unmapped.
+  void add_expandable_segment(uint64_t base, bool large_pool, int64_t stream,
+                              const std::vector<std::vector<CudaBlockInfo>>& ranges) {
+    Pool& pool = large_pool ? large : small;
+    const auto page = static_cast<uint64_t>(page_size(pool));
+    const auto end = base + static_cast<uint64_t>(expandable_space(pool));
+    const char* who = "CudaCachingAllocatorModel::add_expandable_segment";
+    Block* prev = nullptr;
+    const auto link = [&](Block* b) {
+      b->base = base;
+      b->stream = stream;
+      b->pool = &pool;
+      b->expandable = true;
+      b->prev = prev;
+      if (prev != nullptr) prev->next = b;
+      prev = b;
+    };
+    const auto unmapped = [&](uint64_t from, uint64_t to) {
+      auto* b = new Block();
+      b->ptr = from;
+      b->size = static_cast<int64_t>(to - from);
+      b->mapped = false;
+      link(b);
+      pool.unmapped.insert(b);
+    };
+    uint64_t at = base;
+    for (const auto& blocks : ranges) {
+      TORCH_CHECK(!blocks.empty(), who, ": a mapped range without blocks");
+      const uint64_t from = blocks.front().address;
+      int64_t bytes = 0;
+      for (const auto& bi : blocks) {
+        TORCH_CHECK(bi.address == from + static_cast<uint64_t>(bytes) && bi.size_bytes > 0, who,
+                    ": expected blocks tiling the range at ", from, ", but block at ", bi.address, " is not next");
+        bytes += bi.size_bytes;
+      }
+      const uint64_t to = from + static_cast<uint64_t>(bytes);
+      TORCH_CHECK(from >= at && (from - base) % page == 0 && bytes % static_cast<int64_t>(page) == 0 && to <= end,
+                  who, ": the range of ", bytes, " B at ", from, " is not whole pages of ", page,
+                  " B from the segment's base ", base, " after the range before it");
+      if (from > at) unmapped(at, from);
+      for (const auto& bi : blocks) {
+        auto* b = new Block();
+        b->ptr = bi.address;
+        b->size = bi.size_bytes;
+        b->requested = bi.requested_bytes;
+        b->allocated = bi.allocated;
+        link(b);
+        take_seeded(b, pool);
+      }
+      add_reserved(bytes);
+      at = to;
+    }
+    if (at < end) unmapped(at, end);
+    for (Block* b = prev; b != nullptr; b = b->prev) {
+      if (b->mapped && !b->allocated && b->is_split()) add_inactive_split(b->size);
+    }
+  }
+
   // find_expandable_block()
   Block* find_expandable_block(Pool& pool, int64_t size, int64_t stream) {
     auto allocatable = [](Block* b) { return b != nullptr && !b->allocated; };
@@ -421,11 +495,8 @@ struct CudaCachingAllocatorModel::Impl {
         return c;
       }
     }
-    // A new segment: address space for 1 1/8 of the device (1 TiB without a capacity).
-    const int64_t page = page_size(pool);
-    const int64_t space = config.device_bytes() > 0
-        ? (config.device_bytes() + config.device_bytes() / 8) / page * page
-        : (1LL << 40) / page * page;
+    // A new segment.
+    const int64_t space = expandable_space(pool);
     auto* c = new Block();
     c->ptr = new_address(space);
     c->base = c->ptr;
@@ -755,6 +826,13 @@ uint64_t CudaCachingAllocatorModel::malloc(int64_t bytes, int64_t stream) {
 }
 void CudaCachingAllocatorModel::free(uint64_t address) {
   impl_->free(address);
+}
+bool CudaCachingAllocatorModel::is_allocated(uint64_t address) const {
+  return impl_->active.count(address) != 0;
+}
+void CudaCachingAllocatorModel::add_expandable_segment(uint64_t base, bool large_pool, int64_t stream,
+                                                       const std::vector<std::vector<CudaBlockInfo>>& ranges) {
+  impl_->add_expandable_segment(base, large_pool, stream, ranges);
 }
 void CudaCachingAllocatorModel::set_next_segment_address(uint64_t address) {
   impl_->pinned_address = address;

@@ -199,9 +199,12 @@ void on_cpu(PlanningSwap& swap, const std::vector<Region>& rs, int64_t first, in
 // naming the region: a boundary's storages are its slots'.
 namespace {
 
-// The boundary after region i from its outputs `ys` on inputs `xs`: a slot
-// passed on unchanged keeps its gradient flag, any other one needs a
-// gradient when a region up to here trains (`needs_grad`) and it is floating.
+// The boundary after region i from its outputs `ys` on inputs `xs` (run with
+// grad): a slot passed on unchanged keeps its gradient flag, any other one
+// needs a gradient when a region up to here trains (`needs_grad`) and autograd
+// says it does. A floating tensor made from no parameter (a LLaMA's rotary
+// tables, carried to every block) needs none: made a leaf that requires one,
+// the block would save what multiplies it for its gradient.
 BoundarySpec boundary_of(const Region& region, int64_t i, const std::vector<at::Tensor>& xs,
                          const BoundarySpec& in, const std::vector<at::Tensor>& ys, bool needs_grad) {
   TORCH_CHECK(!ys.empty() && static_cast<int64_t>(ys.size()) <= kMaxSlots, "plan_regions: region ", i, " ('",
@@ -223,7 +226,7 @@ BoundarySpec boundary_of(const Region& region, int64_t i, const std::vector<at::
                   "storage (slots ", u, " and ", t, "); return the tensor once and take the view in the region "
                   "that uses it");
     }
-    bool grad = needs_grad && c10::isFloatingType(y.scalar_type());
+    bool grad = needs_grad && y.requires_grad();
     for (size_t s = 0; s < xs.size(); ++s) {
       if (xs[s].unsafeGetTensorImpl() == y.unsafeGetTensorImpl()) {
         grad = in.grad[s];  // passed on unchanged
@@ -255,9 +258,15 @@ RegionShapes shape_regions(const std::vector<Region>& regions, PlanningSwap& swa
                 i == 0 ? std::string("the step's input is") : fmt::format("region {} returns", i - 1), " ",
                 specs[i].size(), "; give it a Tensors(Tensors) forward (Note [Regions with several tensors])");
     needs_grad = needs_grad || terms.region_trains[i];
-    at::NoGradGuard no_grad;
+    // With grad (on meta nothing is kept), so that each output says whether
+    // it needs a gradient; an input that needs one is not a leaf, as in the
+    // step (a region may start in place).
+    at::AutoGradMode grad_mode(true);
     auto shape_on = [&](c10::Device device) {
-      const auto xs = make_tensors(specs[i], device, /*grad=*/false);
+      auto xs = make_tensors(specs[i], device, /*grad=*/true);
+      for (int64_t s = 0; s < specs[i].size(); ++s) {
+        xs[s] = specs[i].same[s] != s ? xs[specs[i].same[s]] : xs[s].requires_grad() ? xs[s].clone() : xs[s];
+      }
       specs[i + 1] = boundary_of(regions[i], i, xs, specs[i], regions[i](xs), needs_grad);
     };
     try {

@@ -1,6 +1,7 @@
 #include "trainmem/snapshot.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <string>
 #include <tuple>
@@ -56,6 +57,9 @@ struct ModelRun {
   std::vector<std::pair<int64_t, int64_t>> device_calls;  // (event, +size alloc / -size free)
   int64_t num_ooms = 0;  // requests the model could not serve (a device size set)
   std::vector<int64_t> reserved_after;  // per event: reserved after an alloc or free (-1: other events)
+  int64_t unseeded_expandable_bytes = 0;  // expandable pages mapped before recording, not seeded
+  int64_t first_free_mismatch = -1;  // a free whose block the model does not hold allocated
+  uint64_t first_free_mismatch_model_address = 0;
   // At the first oom (seeded, no device size): free bytes inside segments
   // and the largest free block (-1: no oom).
   int64_t oom_free_bytes = -1;
@@ -139,8 +143,152 @@ int64_t size_before(const Request& r, bool large, uint64_t segment_end,
   return rounded;
 }
 
+// Note [Expandable segments mapped before recording]
+// With expandable_segments:True a pool's segment is one address space per
+// stream (1 1/8 of the device) whose pages are mapped as requests need them;
+// a snapshot lists each run of mapped pages as a segment (is_expandable).
+// Those mapped when recording began are the final runs less what the trace
+// mapped, plus what it unmapped: walked back from the end, a segment_map's
+// pages come off and a segment_unmap's go back. A trace event belongs to the
+// space of its stream whose pool its size allows (a large map is whole large
+// pages; a small one, 2 MiB pages) and whose lowest known address is the
+// highest at or below it. Each space is seeded from its lowest known address
+// (the allocator maps pages from the front, so it is the space's base unless
+// pages there were unmapped before recording), its runs mapped then holding
+// the blocks live then, each its request rounded (an expandable segment
+// splits off any remainder of 512 B or more, in both pools) or its final
+// size, with the gaps free; the rest of the space unmapped, for the model to
+// map as the allocator did. Before this (skipped, their blocks allocated
+// anew), a recording with two GPUs and only such segments replayed 20 MiB
+// short on each (albi2's dump_snapshot.pickle at b4c280e: 44,040,192 B
+// recorded on device 0, 23,068,672 B modelled).
+struct ExpandableSpace {
+  bool large = true;
+  int64_t stream = 0;
+  uint64_t lowest = std::numeric_limits<uint64_t>::max();  // the lowest address known in it
+  std::map<uint64_t, uint64_t> mapped;  // start -> end
+  void add(uint64_t from, uint64_t to) {
+    lowest = std::min(lowest, from);
+    auto it = mapped.lower_bound(from);
+    if (it != mapped.begin() && std::prev(it)->second >= from) --it;
+    while (it != mapped.end() && it->first <= to) {
+      from = std::min(from, it->first);
+      to = std::max(to, it->second);
+      it = mapped.erase(it);
+    }
+    mapped[from] = to;
+  }
+  void remove(uint64_t from, uint64_t to) {
+    lowest = std::min(lowest, from);
+    auto it = mapped.lower_bound(from);
+    if (it != mapped.begin() && std::prev(it)->second > from) --it;
+    std::vector<std::pair<uint64_t, uint64_t>> keep;
+    while (it != mapped.end() && it->first < to) {
+      if (it->first < from) keep.emplace_back(it->first, from);
+      if (it->second > to) keep.emplace_back(to, it->second);
+      it = mapped.erase(it);
+    }
+    for (const auto& [a, b] : keep) mapped[a] = b;
+  }
+};
+
+std::vector<ExpandableSpace> expandable_at_start(const Snapshot& snap, int64_t large_page) {
+  std::vector<ExpandableSpace> spaces;
+  const auto space_of = [&](bool large, int64_t stream, uint64_t a) -> ExpandableSpace& {
+    ExpandableSpace* best = nullptr;
+    for (auto& sp : spaces) {
+      if (sp.large != large || sp.stream != stream) continue;
+      if (best == nullptr || (sp.lowest <= a && (best->lowest > a || sp.lowest > best->lowest)) ||
+          (best->lowest > a && sp.lowest < best->lowest)) {
+        best = &sp;
+      }
+    }
+    if (best != nullptr) return *best;
+    auto& sp = spaces.emplace_back();
+    sp.large = large;
+    sp.stream = stream;
+    return sp;
+  };
+  for (const auto& sg : snap.segments) {
+    if (sg.expandable) {
+      space_of(sg.segment_type != "small", sg.stream, sg.address)
+          .add(sg.address, sg.address + static_cast<uint64_t>(sg.total_bytes));
+    }
+  }
+  if (spaces.empty()) return spaces;
+  for (size_t i = snap.traces.size(); i-- > 0;) {
+    const auto& e = snap.traces[i];
+    if (e.action != "segment_map" && e.action != "segment_unmap") continue;
+    const bool large = e.size_bytes % large_page == 0 &&
+                       std::any_of(spaces.begin(), spaces.end(), [&](const auto& sp) { return sp.large; });
+    auto& sp = space_of(large, e.stream, e.addr);
+    const uint64_t to = e.addr + static_cast<uint64_t>(e.size_bytes);
+    if (e.action == "segment_map") {
+      sp.remove(e.addr, to);
+    } else {
+      sp.add(e.addr, to);
+    }
+  }
+  return spaces;
+}
+
+// Seeds each space's runs mapped when recording began (Note [Expandable
+// segments mapped before recording]) with the blocks of `before` inside
+// them, marking those `placed`. Returns the bytes of the runs it could not
+// seed (blocks overlapping, or runs not whole pages from the base).
+int64_t seed_expandable(const Snapshot& snap, const std::vector<Request>& before,
+                     const std::unordered_map<uint64_t, int64_t>& final_size,
+                     const std::map<uint64_t, int64_t>& first_alloc, CudaCachingAllocatorModel& m,
+                     std::unordered_map<uint64_t, uint64_t>& addr, std::vector<bool>& placed) {
+  int64_t unseeded = 0;
+  for (const auto& sp : expandable_at_start(snap, m.config().large_segment_bytes())) {
+    if (sp.mapped.empty()) continue;
+    int64_t bytes = 0;
+    for (const auto& [from, to] : sp.mapped) bytes += static_cast<int64_t>(to - from);
+    std::vector<std::vector<CudaBlockInfo>> ranges;
+    std::vector<size_t> mine;
+    bool ok = true;
+    for (const auto& [from, to] : sp.mapped) {
+      std::vector<CudaBlockInfo> blocks;
+      uint64_t at = from;
+      for (size_t k = 0; k < before.size() && ok; ++k) {  // `before` is sorted by address
+        const auto& r = before[k];
+        if (r.addr < from || r.addr >= to) continue;
+        const int64_t size = size_before(r, /*large=*/false, to, final_size, first_alloc, m);
+        // A block a segment seeded already holds is a run over that segment.
+        ok = !placed[k] && r.addr >= at && r.addr + static_cast<uint64_t>(size) <= to;
+        if (!ok) break;
+        if (r.addr > at) blocks.push_back({at, static_cast<int64_t>(r.addr - at), 0, false});
+        blocks.push_back({r.addr, size, r.requested_bytes, true});
+        mine.push_back(k);
+        at = r.addr + static_cast<uint64_t>(size);
+      }
+      if (!ok) break;
+      if (at < to) blocks.push_back({at, static_cast<int64_t>(to - at), 0, false});
+      ranges.push_back(std::move(blocks));
+    }
+    if (ok) {
+      try {
+        m.add_expandable_segment(sp.lowest, sp.large, sp.stream, ranges);
+      } catch (const c10::Error&) {
+        ok = false;  // runs not whole pages from the base
+      }
+    }
+    if (!ok) {  // its blocks are left to the replay, which then diverges and says why
+      unseeded += bytes;
+      continue;
+    }
+    for (size_t k : mine) {
+      placed[k] = true;
+      addr[before[k].addr] = before[k].addr;
+    }
+  }
+  return unseeded;
+}
+
 std::vector<Request> seed_segments(const Snapshot& snap, const std::vector<Request>& before,
-                                   CudaCachingAllocatorModel& m, std::unordered_map<uint64_t, uint64_t>& addr) {
+                                   CudaCachingAllocatorModel& m, std::unordered_map<uint64_t, uint64_t>& addr,
+                                   int64_t& unseeded_expandable) {
   std::unordered_set<uint64_t> created, allocated;
   for (const auto& e : snap.traces) {
     if (e.action == "segment_alloc") created.insert(e.addr);
@@ -221,6 +369,7 @@ std::vector<Request> seed_segments(const Snapshot& snap, const std::vector<Reque
       addr[before[k].addr] = before[k].addr;
     }
   }
+  unseeded_expandable = seed_expandable(snap, before, final_size, first_alloc, m, addr, placed);
   std::vector<Request> rest;
   for (size_t k = 0; k < before.size(); ++k) {
     if (!placed[k]) rest.push_back(before[k]);
@@ -266,7 +415,8 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
   CudaCachingAllocatorModel m(std::move(config));
   std::unordered_map<uint64_t, uint64_t> addr;   // recorded -> model
   std::unordered_map<uint64_t, int64_t> event_of;  // model -> alloc event (-1: before recording)
-  const auto unplaced = seeded ? seed_segments(snap, before, m, addr) : before;
+  int64_t unseeded_expandable = 0;
+  const auto unplaced = seeded ? seed_segments(snap, before, m, addr, unseeded_expandable) : before;
   for (const auto& r : unplaced) {
     addr[r.addr] = m.malloc(r.requested_bytes, r.stream);
     event_of[addr[r.addr]] = -1;
@@ -274,6 +424,7 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
   std::vector<CudaSegmentInfo> at_peak = m.segments();
   m.reset_peak();
   ModelRun run;
+  run.unseeded_expandable_bytes = unseeded_expandable;
   auto s0 = m.stats();
   int64_t peak_reserved = s0.reserved_bytes;
   run.fig.allocated_at_peak_reserved_bytes = s0.allocated_bytes;
@@ -323,7 +474,14 @@ ModelRun run_model(const Snapshot& snap, const std::vector<Request>& before, Cud
     } else if (e.action == "free_completed") {
       auto it = addr.find(e.addr);
       if (it == addr.end()) continue;
-      if (it->second != 0) m.free(it->second);
+      if (it->second != 0 && m.is_allocated(it->second)) {
+        m.free(it->second);
+      } else if (it->second != 0 && run.first_free_mismatch < 0) {
+        // The model's state is not the recording's (a recording of another
+        // allocator, or one the seeding misread): a divergence, never an error.
+        run.first_free_mismatch = static_cast<int64_t>(i);
+        run.first_free_mismatch_model_address = it->second;
+      }
       addr.erase(it);
     } else {
       continue;
@@ -581,15 +739,20 @@ SnapshotReplay replay_snapshot(const Snapshot& snap, const CudaAllocatorConfig& 
                  std::to_string(run.first_address_mismatch) + ": recorded at address " + std::to_string(e.addr) +
                  ", model at " + std::to_string(run.first_mismatch_model_address);
   }
-  // Expandable segments mapped before recording are not seeded (seed_segments):
-  // the model cannot take over pages it did not map, so their requests map
-  // new ones. Say so where that is why the replay diverges.
-  const bool unseeded_expandable = std::any_of(snap.segments.begin(), snap.segments.end(),
-                                               [](const auto& sg) { return sg.expandable; }) &&
-                                   r.preexisting_reserved_bytes > 0;
-  if (!r.matches && unseeded_expandable) {
-    r.mismatch += " (expandable segments mapped before recording began are not modelled: " +
-                  std::to_string(r.preexisting_reserved_bytes) + " B were mapped then)";
+  if (run.first_free_mismatch >= 0 && (r.matches || run.first_free_mismatch < *r.first_mismatch)) {
+    const auto& e = snap.traces[static_cast<size_t>(run.first_free_mismatch)];
+    r.matches = false;
+    r.first_mismatch = run.first_free_mismatch;
+    r.mismatch = "free of " + std::to_string(e.size_bytes) + " B at event " + std::to_string(run.first_free_mismatch) +
+                 ": recorded at address " + std::to_string(e.addr) + ", where the model holds no allocated block (at " +
+                 std::to_string(run.first_free_mismatch_model_address) + ")";
+  }
+  // Expandable pages mapped before recording that could not be seeded
+  // (Note [Expandable segments mapped before recording]): their blocks map
+  // new pages in the model. Say so where that may be why the replay diverges.
+  if (!r.matches && run.unseeded_expandable_bytes > 0) {
+    r.mismatch += " (expandable segments mapped before recording began could not be seeded: " +
+                  std::to_string(run.unseeded_expandable_bytes) + " B of their pages)";
   }
   if (r.matches && rec.peak_reserved_bytes != r.model.peak_reserved_bytes) {
     r.matches = false;

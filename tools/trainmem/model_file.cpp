@@ -2,6 +2,7 @@
 // built on the meta device (no allocation), counted and stepped there.
 #include "model_file.h"
 
+#include <algorithm>
 #include <iostream>
 #include <optional>
 #include <vector>
@@ -17,6 +18,9 @@
 #include "trainmem/accountant.h"
 #include "trainmem/allocator.h"
 #include "trainmem/cuda_predict.h"
+#include "trainmem/grad_scaler.h"
+#include "trainmem/master_weights.h"
+#include "trainmem/meter.h"
 #include "trainmem/models/estimate.h"
 #include "trainmem/models/hf_model.h"
 #include "trainmem/meta.h"
@@ -549,10 +553,13 @@ void print_plan_model(const std::string& path, const HfConfig& config, const Mod
   if (measured) {
     const double err = static_cast<double>(measured->peak_bytes - whole->peak_bytes) /
                        static_cast<double>(whole->peak_bytes);
-    std::cout << fmt::format("\nran it on CPU (one AdamW step after a warm-up step)\n"
+    const char* how = o.precision() == Precision::kFp16Autocast ? "one AdamW step with a GradScaler at scale 1"
+                      : o.precision() == Precision::kBf16Master   ? "one AdamW step over fp32 master weights"
+                                                                  : "one AdamW step";
+    std::cout << fmt::format("\nran it on CPU ({} after a warm-up step)\n"
                              "  step peak: predicted {} B, measured {} B ({:+.2f} %); {}\n"
                              "  saved for backward: predicted {} B, measured {} B\n",
-                             with_commas(whole->peak_bytes), with_commas(measured->peak_bytes), 100 * err,
+                             how, with_commas(whole->peak_bytes), with_commas(measured->peak_bytes), 100 * err,
                              measured->peak_bytes <= budget ? "within the budget" : "OVER the budget",
                              with_commas(plan.activation_bytes), with_commas(measured->activation_bytes));
   }
@@ -574,6 +581,87 @@ void check_plan_model_fits(int64_t budget, const CheckedPlan& c) {
   }
 }
 
+// The planned step with its GradScaler or fp32 master weights run on CPU as
+// a user writes it (RegionPlannerPrecisionTest's loops), a warm-up step
+// first: its peak (the scaler's own tensors included, as the plan's whole
+// step on meta counts them), the phase it fell in and the bytes the measured
+// step's forward saved. The run's scaler starts at scale 1, not 65,536:
+// memory does not depend on the scale, but a step skipped for inf gradients
+// makes no AdamW state; a skipped step is an error.
+StepPeak measure_recipe_step(const HfModel& model, const RegionModel& m, const BlockCheckpointing& checkpointing) {
+  auto& tracker = CpuMemoryTracker::install();
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : model.module->parameters()) {
+    if (p.requires_grad()) {
+      trainable.push_back(p);
+    }
+  }
+  std::optional<GradScaler> scaler;
+  std::optional<MasterWeights> masters;
+  if (m.grad_scaler) {
+    scaler.emplace(GradScalerOptions(*m.grad_scaler).init_scale(1.0));
+  } else {
+    masters.emplace(trainable);
+  }
+  auto opt = adamw_of_all(masters ? (*masters)->optimized() : trainable);
+  std::vector<torch::nn::Module*> modules = {model.module.get()};
+  if (masters) {
+    modules.push_back(masters->get());
+  }
+  int calls = 0, steps_taken = 0;
+  int64_t peaks[3] = {0, 0, 0};  // forward, backward, optimizer step: the measured call's windows
+  SavedTensorMeter meter(*model.module);  // its parameters are not activations
+  const auto f = measure_step_function(modules, {opt.get()}, [&] {
+    const bool measured = ++calls == 2;
+    for (auto& p : model.module->parameters()) {
+      p.mutable_grad().reset();
+    }
+    std::optional<PeakWindow> window(std::in_place, tracker);
+    at::Tensor loss;
+    {
+      std::optional<SavedTensorMeterGuard> metered;
+      if (measured) {
+        metered.emplace(meter);
+      }
+      loss = m.loss(run_regions(m.regions, m.input(at::kCPU), checkpointing));
+    }
+    peaks[0] = window->peak_bytes();
+    window.emplace(tracker);
+    if (scaler) {
+      scaler->scale(loss).backward();  // the scaled loss freed here, the loss kept to the end
+    } else {
+      loss.backward();
+      loss.reset();
+    }
+    peaks[1] = window->peak_bytes();
+    window.emplace(tracker);
+    if (scaler) {
+      scaler->unscale_(*opt);
+      steps_taken += scaler->step(*opt) ? 1 : 0;
+      scaler->update();
+    } else {
+      (*masters)->step(*opt);
+      ++steps_taken;
+    }
+    peaks[2] = window->peak_bytes();
+  });
+  if (steps_taken != calls) {
+    throw CheckFailed(fmt::format("--run: the GradScaler skipped {} of {} CPU steps (inf/NaN gradients at scale "
+                                  "1), so the measured step is not the planned one",
+                                  calls - steps_taken, calls));
+  }
+  StepPeak r;
+  int64_t scaler_bytes = 0;
+  for (const auto& t : scaler ? scaler->tensors() : std::vector<at::Tensor>{}) {
+    scaler_bytes += static_cast<int64_t>(t.storage().nbytes());
+  }
+  r.peak_bytes = f.peak_bytes + scaler_bytes;  // made by the warm-up, none of a module's or optimizer's
+  const int64_t top = std::max({peaks[0], peaks[1], peaks[2]});
+  r.phase = top == peaks[1] ? StepPhase::kBackward : top == peaks[0] ? StepPhase::kForward : StepPhase::kOptimizerStep;
+  r.activation_bytes = meter.report().saved_bytes;
+  return r;
+}
+
 } // namespace
 
 void run_plan_model(const std::string& path, int64_t budget, const ModelEstimateOptions& o, bool selective,
@@ -586,14 +674,6 @@ void run_plan_model(const std::string& path, int64_t budget, const ModelEstimate
     }
     run_plan_model_cuda(path, config, budget, o, selective, json, *cuda, kind, device);
     return;
-  }
-  if (run && (o.precision() == Precision::kFp16Autocast || o.precision() == Precision::kBf16Master)) {
-    throw UsageError(fmt::format("--run with --precision {}: the CPU run measures the plain step (backward, "
-                                 "AdamW's step), not one with {}; plan without --run (the plan's peak is its whole "
-                                 "step on meta, {} included)",
-                                 precision_name(o.precision()),
-                                 o.precision() == Precision::kFp16Autocast ? "a GradScaler" : "fp32 master weights",
-                                 o.precision() == Precision::kFp16Autocast ? "the scaler" : "the masters"));
   }
   if (run) {
     CpuMemoryTracker::install();  // before the model: every CPU byte of the run is counted
@@ -617,8 +697,12 @@ void run_plan_model(const std::string& path, int64_t budget, const ModelEstimate
     const auto checkpointing = c.plan.checkpointing();
     // The batch made in the step, as the whole step on meta makes it.
     auto step = [&] { return m.loss(run_regions(m.regions, m.input(at::kCPU), checkpointing)); };
-    (void)measure_step_peak(*model.module, step, opt.get());  // warm-up: AdamW's state exists from here on
-    measured = measure_step_peak(*model.module, step, opt.get());
+    if (has_recipe(m)) {
+      measured = measure_recipe_step(model, m, checkpointing);
+    } else {
+      (void)measure_step_peak(*model.module, step, opt.get());  // warm-up: AdamW's state exists from here on
+      measured = measure_step_peak(*model.module, step, opt.get());
+    }
   }
   print_plan_model(path, config, o, budget, c, measured, run, json);
   check_plan_model_fits(budget, c);

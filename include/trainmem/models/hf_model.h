@@ -286,7 +286,8 @@ class TRAINMEM_API LlamaImpl : public torch::nn::Cloneable<LlamaImpl>, public Re
   at::Tensor forward(const at::Tensor& tokens);
   /// forward with the blocks `plan` names checkpointed (as Transformer::forward).
   at::Tensor forward(const at::Tensor& tokens, const BlockCheckpointing& plan);
-  /// Rotary cos and sin for positions 0 .. T-1, (T, head_dim) each.
+  /// Rotary cos and sin for positions 0 .. T-1, (T, head_dim) each, made in
+  /// fp32 and returned in `options`' dtype.
   std::pair<at::Tensor, at::Tensor> rotary(int64_t T, const at::TensorOptions& options) const;
   LlamaOptions options;
   torch::nn::Embedding embed_tokens{nullptr}; ///< (V, d)
