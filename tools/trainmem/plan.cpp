@@ -39,6 +39,7 @@ struct PlanFlags {
   std::string model_file;                 // --model: a config.json (model_file.cpp)
   bool run_model = false;                 // --run: with --model, run the plan on CPU
   std::string precision = "fp32";         // --precision: with --model
+  std::string checkpoint;                 // --checkpoint: refused (the plan chooses it)
   LoraFlags lora;                         // --lora-*: with --model
   std::string gpu;                        // --gpu NAME: implies --device cuda
   int64_t ranks = 1;                      // --ranks, --zero: refused above 1 and 0 (one rank is planned)
@@ -215,6 +216,10 @@ void run(const PlanFlags& f) {
     throw UsageError("--budget " + f.budget + ": expected a positive size, such as 40MiB");
   }
   refuse_plan_flags(f);
+  if (!f.checkpoint.empty()) {
+    throw UsageError("--checkpoint " + f.checkpoint + ": plan chooses the checkpointing that fits --budget; "
+                     "`trainmem estimate --model FILE --checkpoint " + f.checkpoint + "` predicts a given one");
+  }
   if (!f.model_file.empty()) {
     run_model_file(f, budget);
     return;
@@ -291,6 +296,7 @@ void add_plan_command(CLI::App& app) {
       ->capture_default_str();
   add_lora_flags(*sub, f->lora);
   add_gpu_flag(*sub, f->gpu);
+  sub->add_option("--checkpoint", f->checkpoint, "refused: the plan chooses the checkpointing (estimate takes it)");
   sub->add_option("--ranks", f->ranks, "data-parallel ranks: only 1 (a plan is one rank's step)")
       ->capture_default_str();
   sub->add_option("--zero", f->zero, "ZeRO stage: only 0 (a plan is one rank's step, unsharded)")
