@@ -28,7 +28,8 @@ With --precision bf16-autocast (after --check, or anywhere in the first
 form) the forward runs under torch.autocast("cpu", torch.bfloat16) (with
 fp16-autocast, torch.float16); with
 --precision bf16 the model is cast to torch.bfloat16 first (as
-from_pretrained(torch_dtype=torch.bfloat16)). The command is given the same
+from_pretrained(torch_dtype=torch.bfloat16)), with --precision fp16 to
+torch.float16. The command is given the same
 flag: its saved bytes come from the CPU kernels (and CPU autocast's casts)
 run on meta.
 
@@ -115,7 +116,7 @@ def saved_nodes(root, unpacked):
 
 
 def autocast(precision):
-    if precision in ("fp32", "bf16"):
+    if precision in ("fp32", "bf16", "fp16"):
         return contextlib.nullcontext()
     if precision == "bf16-autocast":
         return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -145,6 +146,8 @@ def measure(path, batch, seq_len, precision="fp32", lora=None):
     model = hf_model(path)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
+    elif precision == "fp16":
+        model = model.to(torch.float16)
     peft_version = None
     if lora:
         model, peft_version = with_lora(model, lora)

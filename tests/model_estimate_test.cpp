@@ -32,7 +32,7 @@ std::string data(const std::string& name) {
 using trainmem::testing::error_of;
 
 // The step a user writes on CPU for `o`, run for real: the model built and
-// initialized on CPU, moved to bf16 for kBf16, adapted by LoRA, its loss
+// initialized on CPU, moved to bf16 for kBf16 (fp16 for kFp16), adapted by LoRA, its loss
 // under CPU autocast for kBf16Autocast and checkpointed as `o` names. The
 // second of two AdamW steps is measured (the first makes the state).
 trainmem::StepPeak measured_on_cpu(const trainmem::HfConfig& config, const trainmem::ModelEstimateOptions& o) {
@@ -40,6 +40,8 @@ trainmem::StepPeak measured_on_cpu(const trainmem::HfConfig& config, const train
   auto model = trainmem::build_hf_model(config);
   if (o.precision() == trainmem::Precision::kBf16) {
     model.module->to(at::kBFloat16);
+  } else if (o.precision() == trainmem::Precision::kFp16) {
+    model.module->to(at::kHalf);
   }
   if (o.lora()) {
     trainmem::apply_lora(*model.module, *o.lora());
@@ -101,6 +103,11 @@ TEST(ModelEstimateTest, EveryOptionEqualsTheCpuStep) {
       {"tiny_gpt2.json", trainmem::ModelEstimateOptions(base).precision(Precision::kBf16Autocast), "bf16-autocast"},
       {"tiny_gpt2.json", trainmem::ModelEstimateOptions(base).checkpoint("full"), "full checkpointing"},
       {"tiny_gpt2_tanh.json", trainmem::ModelEstimateOptions(base).precision(Precision::kBf16), "bf16"},
+      {"tiny_llama.json", trainmem::ModelEstimateOptions(base).precision(Precision::kFp16), "fp16"},
+      {"tiny_qwen3.json",
+       trainmem::ModelEstimateOptions(base).lora(lora).checkpoint("every_2").precision(Precision::kFp16),
+       "LoRA, every_2, fp16"},
+      {"tiny_gpt2.json", trainmem::ModelEstimateOptions(base).precision(Precision::kFp16), "fp16"},
   };
   for (const auto& c : cases) {
     const auto config = trainmem::load_hf_config(data(c.config));

@@ -195,7 +195,7 @@ TEST(RegionPlannerPrecisionTest, RefusesWhatItCannotPlan) {
 // allocated and reserved peaks estimate_model predicts for the whole model,
 // on its own path (the model's loss, not the regions), in every precision:
 // fp16 autocast with a GradScaler, bf16 weights with fp32 masters, bf16
-// autocast, a bf16 model, fp32. The LLaMA family's regions carry the rotary
+// autocast, a bf16 model, an fp16 model, fp32. The LLaMA family's regions carry the rotary
 // tables from the embedding to every block as the model shares them; before,
 // each block made its own and the plan was 3,072 B (tiny_llama, fp16
 // autocast) and 4,096 B (tiny_qwen3) above the estimate.
@@ -212,6 +212,7 @@ TEST(RegionPlannerPrecisionTest, CudaPlanWithoutCheckpointingEqualsTheCudaEstima
                         Case{"tiny_llama.json", Precision::kBf16Autocast, 19282432},
                         Case{"tiny_qwen3.json", Precision::kFp16Autocast, 18550272},
                         Case{"tiny_qwen3.json", Precision::kBf16, 17933824},
+                        Case{"tiny_llama.json", Precision::kFp16, 18247168},
                         Case{"tiny_llama_mha5.json", Precision::kFp32, 19468800}}) {
     const auto config = trainmem::load_hf_config(data(c.config));
     const auto o = trainmem::ModelEstimateOptions().batch(2).seq_len(24).precision(c.precision).cuda(

@@ -21,6 +21,7 @@ const char* precision_name(Precision precision) {
     case Precision::kFp32: return "fp32";
     case Precision::kBf16Autocast: return "bf16-autocast";
     case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
     case Precision::kFp16Autocast: return "fp16-autocast";
     case Precision::kBf16Master: return "bf16-master";
   }
@@ -28,13 +29,13 @@ const char* precision_name(Precision precision) {
 }
 
 Precision parse_precision(const std::string& name) {
-  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16Autocast,
-                 Precision::kBf16Master}) {
+  for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16,
+                 Precision::kFp16Autocast, Precision::kBf16Master}) {
     if (name == precision_name(p)) {
       return p;
     }
   }
-  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16, fp16-autocast or bf16-master, but got \"", name,
+  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16, fp16, fp16-autocast or bf16-master, but got \"", name,
               "\"");
 }
 
@@ -80,8 +81,10 @@ std::string precision_assumption(Precision p, bool cuda) {
                          "LibTorch's autocast in bf16, the CPU's policy for the CPU figures{}",
                          cuda ? ", CUDA's for the CUDA ones" : "");
     case Precision::kBf16:
-      return "precision bf16: the model held in bf16, its gradients and AdamW state too; the loss in fp32 "
-             "(the logits upcast, as transformers' ForCausalLMLoss)";
+    case Precision::kFp16:
+      return fmt::format("precision {0}: the model held in {0}, its gradients and AdamW state too{1}; the loss in "
+                         "fp32 (the logits upcast, as transformers' ForCausalLMLoss)",
+                         precision_name(p), p == Precision::kFp16 ? ", the loss not scaled" : "");
     case Precision::kFp16Autocast:
       return fmt::format("precision fp16-autocast: fp32 parameters, gradients and AdamW state; the forward under "
                          "LibTorch's autocast in fp16, the CPU's policy for the CPU figures{}; the loss scaled by "
@@ -280,6 +283,8 @@ HfModel build_model(const HfConfig& config, const ModelEstimateOptions& options)
   HfModel model = build_hf_model(config);
   if (options.precision() == Precision::kBf16 || options.precision() == Precision::kBf16Master) {
     model.module->to(at::kBFloat16);  // as from_pretrained(torch_dtype=torch.bfloat16), before PEFT
+  } else if (options.precision() == Precision::kFp16) {
+    model.module->to(at::kHalf);
   }
   if (options.lora()) {
     apply_lora(*model.module, *options.lora());
@@ -423,6 +428,7 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
                           o.lora() ? "fp32, the adapters'"
                           : o.precision() == Precision::kBf16Master ? "fp32, the masters'"
                           : o.precision() == Precision::kBf16       ? "bf16"
+                          : o.precision() == Precision::kFp16       ? "fp16"
                                                                     : "fp32",
                           o.ranks() > 1 || o.zero() > 0
                               ? fmt::format(" (ZeRO-{} over {} ranks is in the static bytes by recipe only)",
@@ -444,8 +450,10 @@ std::string step_precision_assumption(Precision p, bool cuda) {
       return "precision fp32: loss_fn run as given, the module's parameters, gradients and optimizer state in "
              "their dtype";
     case Precision::kBf16:
-      return "precision bf16: loss_fn run as given, the module as the caller cast it; gradients and optimizer "
-             "state in the parameters' dtype";
+    case Precision::kFp16:
+      return fmt::format("precision {}: loss_fn run as given, the module as the caller cast it; gradients and "
+                         "optimizer state in the parameters' dtype",
+                         precision_name(p));
     case Precision::kBf16Autocast:
     case Precision::kFp16Autocast:
       return fmt::format("precision {}: loss_fn under LibTorch's autocast in {}, the CPU's policy for the CPU "

@@ -73,9 +73,10 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
       ->capture_default_str();
   sub.add_option("--precision", f.precision,
-                 "fp32, bf16-autocast, bf16, fp16-autocast (with a GradScaler) or bf16-master (a bf16 model with "
-                 "fp32 master weights: estimate --model only)")
-      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16-autocast", "bf16-master"}))
+                 "fp32, bf16-autocast, bf16, fp16-autocast (with a GradScaler), fp16 (a model held in fp16: "
+                 "estimate --model only) or bf16-master (a bf16 model with fp32 master weights: estimate --model "
+                 "only)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master"}))
       ->capture_default_str();
   sub.add_option("--accumulate", f.accumulate, "micro-batches per step (gradient accumulation)")
       ->check(int_in(1, kMaxBatch))
@@ -167,8 +168,15 @@ void check_memory_fits(const AuditFlags& f) {
   }
 }
 
-// bf16-master is predicted for config-file models only (estimate --model).
+// bf16-master and fp16 are predicted for config-file models only (estimate
+// --model).
 void refuse_master_weights(const AuditFlags& f, const char* command) {
+  if (f.precision == "fp16") {
+    throw UsageError(fmt::format("--precision fp16 with {}: the bundled transformer's trainer runs fp32, bf16 or "
+                                 "autocast; `trainmem estimate --model FILE --precision fp16` predicts a config-file "
+                                 "model held in fp16",
+                                 command));
+  }
   if (f.precision == "bf16-master") {
     throw UsageError(fmt::format("--precision bf16-master with {}: the bundled transformer's trainer keeps no fp32 "
                                  "master weights; `trainmem estimate --model FILE --precision bf16-master` "

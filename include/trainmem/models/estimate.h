@@ -48,6 +48,7 @@ enum class Precision {
   kFp32,         ///< fp32 parameters, gradients and activations
   kBf16Autocast, ///< fp32 parameters; matmuls and attention in bf16 (autocast)
   kBf16,         ///< everything in bf16, optimizer state too (LibTorch's optimizers keep state in the parameter dtype)
+  kFp16,         ///< everything in fp16, optimizer state too; no loss scaling (a GradScaler refuses fp16 gradients)
   kFp16Autocast, ///< fp32 parameters; matmuls and attention in fp16 (autocast), loss scaled by a GradScaler
   /// The model and its gradients in bf16, AdamW over fp32 master copies of
   /// the bf16 weights (ZeRO's mixed-precision recipe, 2 + 2 + 12 B per
@@ -55,7 +56,7 @@ enum class Precision {
   kBf16Master,
 };
 
-/// "fp32", "bf16-autocast", "bf16", "fp16-autocast", "bf16-master".
+/// "fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master".
 TRAINMEM_API const char* precision_name(Precision precision);
 /// Parses a precision_name(). Throws c10::Error naming `name` otherwise.
 TRAINMEM_API Precision parse_precision(const std::string& name);
@@ -197,7 +198,7 @@ struct ModelEstimate {
 
 /// The model `config` describes, built on the current device (on meta under a
 /// MetaInitGuard, else on CPU and initialized) as `options` asks: cast to
-/// bf16 for Precision::kBf16 and kBf16Master, then given LoRA adapters when asked (as
+/// bf16 for Precision::kBf16 and kBf16Master, to fp16 for kFp16, then given LoRA adapters when asked (as
 /// from_pretrained in bf16, then get_peft_model). Its loss and forward are
 /// HfModel's; the autocast of kBf16Autocast is the caller's to open
 /// (run_under_autocast), as in a user's loop.
