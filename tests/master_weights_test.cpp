@@ -2,10 +2,15 @@
 // held to a by-hand AdamW over fp32 copies, bit for bit.
 #include "trainmem/master_weights.h"
 
+#include <limits>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "trainmem/grad_scaler.h"
 
 namespace {
 
@@ -55,6 +60,36 @@ TEST(MasterWeightsTest, StepsTheMastersAndCopiesThemIntoTheWeights) {
     const auto& adamw = static_cast<const torch::optim::AdamWParamState&>(*s);
     EXPECT_EQ(adamw.exp_avg().scalar_type(), at::kFloat);
   }
+}
+
+// fp16 weights with a GradScaler: the masters step on the unscaled fp32
+// gradients (SGD, lr 1: master - grad), the weights get the masters rounded
+// to fp16; an inf gradient skips the step (masters and weights unchanged,
+// their gradients freed all the same) and halves the scale.
+TEST(MasterWeightsTest, StepsWithAGradScalerOnUnscaledGradients) {
+  torch::nn::Linear lin(torch::nn::LinearOptions(2, 1).bias(false));
+  {
+    at::NoGradGuard no_grad;
+    lin->weight.copy_(torch::tensor({{0.5f, -0.25f}}));
+  }
+  lin->to(at::kHalf);
+  trainmem::MasterWeights masters(lin->parameters());
+  torch::optim::SGD opt(masters->optimized(), torch::optim::SGDOptions(1.0));
+  trainmem::GradScaler scaler(trainmem::GradScalerOptions().init_scale(1024.0));
+  const auto x = torch::tensor({{1.0f, 2.0f}}).to(at::kHalf);
+  scaler.scale(lin->forward(x).to(at::kFloat).sum()).backward();  // d/dw = x, scaled by 1024
+  EXPECT_TRUE(masters->step(opt, scaler));
+  const auto want = torch::tensor({{0.5f - 1.0f, -0.25f - 2.0f}});
+  EXPECT_TRUE(at::equal(masters->optimized()[0], want)) << masters->optimized()[0];
+  EXPECT_TRUE(at::equal(lin->weight, want.to(at::kHalf)));
+  EXPECT_FALSE(lin->weight.grad().defined());
+  EXPECT_FALSE(masters->optimized()[0].grad().defined());
+  lin->weight.mutable_grad() = torch::full({1, 2}, std::numeric_limits<float>::infinity()).to(at::kHalf);
+  EXPECT_FALSE(masters->step(opt, scaler));
+  EXPECT_TRUE(at::equal(masters->optimized()[0], want));
+  EXPECT_TRUE(at::equal(lin->weight, want.to(at::kHalf)));
+  EXPECT_FALSE(masters->optimized()[0].grad().defined());
+  EXPECT_EQ(scaler.get_scale(), 512.0);
 }
 
 TEST(MasterWeightsTest, RejectsIntegerTensors) {

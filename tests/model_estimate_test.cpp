@@ -222,6 +222,50 @@ TEST(ModelEstimateTest, Bf16WithFp32MasterWeightsEqualsTheCpuStep) {
   }
 }
 
+// fp16 weights with fp32 masters and a GradScaler (DeepSpeed's fp16 mode,
+// apex's O2): the loss scaled, each fp16 gradient made its master's fp32
+// one, unscaled by the scaler, AdamW's step on the masters, the masters
+// copied back (MasterWeights::step with the scaler). The same step on CPU,
+// its scaler at scale 1 so that no step is skipped (a skipped step makes no
+// AdamW state; the prediction always steps), to the byte.
+TEST(ModelEstimateTest, Fp16WithFp32MasterWeightsAndAGradScalerEqualsTheCpuStep) {
+  trainmem::CpuMemoryTracker::install();
+  for (const char* name : {"tiny_llama.json", "tiny_gpt2.json"}) {
+    for (const char* checkpoint : {"none", "full"}) {
+      const auto config = trainmem::load_hf_config(data(name));
+      const auto o = trainmem::ModelEstimateOptions().batch(2).seq_len(24).precision(
+          trainmem::Precision::kFp16Master).checkpoint(checkpoint);
+      const auto e = trainmem::estimate_model(config, o);
+      torch::manual_seed(0);
+      auto model = trainmem::build_model(config, o);
+      ASSERT_EQ(model.module->parameters()[0].scalar_type(), at::kHalf);
+      trainmem::MasterWeights masters(model.module->parameters());
+      torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
+      trainmem::GradScaler scaler(trainmem::GradScalerOptions().init_scale(1.0));
+      const auto plan = trainmem::BlockCheckpointing::named(config.num_layers, o.checkpoint());
+      int steps = 0;
+      const auto measured = trainmem::measure_step_function({model.module.get(), masters.get()}, {&opt}, [&] {
+        for (auto& p : model.module->parameters()) p.mutable_grad().reset();
+        scaler.scale([&] {
+          const auto tokens = torch::randint(config.vocab_size, {o.batch(), o.seq_len()});
+          return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan);
+        }()).backward();  // the loss and the scaled loss gone
+        steps += masters->step(opt, scaler) ? 1 : 0;
+      });
+      std::printf("%s fp16-master, checkpointing %s: predicted %lld B, measured %lld B\n", name, checkpoint,
+                  static_cast<long long>(e.step_peak.peak_bytes), static_cast<long long>(measured.peak_bytes));
+      EXPECT_EQ(steps, 2) << "a CPU step was skipped";
+      EXPECT_FALSE(e.step_phases_split);
+      // fp16 weights (2 B) and fp32 masters (4 B); AdamW's fp32 moments (8 B).
+      EXPECT_EQ(measured.param_bytes, 6 * e.num_params) << name;
+      EXPECT_EQ(e.step_peak.param_bytes, measured.param_bytes) << name;
+      EXPECT_EQ(e.step_peak.optimizer_state_bytes, 8 * e.num_params) << name;
+      EXPECT_EQ(e.step_peak.optimizer_state_bytes, measured.optimizer_state_bytes) << name;
+      EXPECT_EQ(e.step_peak.peak_bytes, measured.peak_bytes) << name << " " << checkpoint;
+    }
+  }
+}
+
 // estimate() of the reference transformer's step, as `trainmem estimate`
 // asks it: static buckets of parameters, gradients and AdamW's two moments
 // (4 + 4 + 8 B per parameter), the saved bytes of the exact term-by-term

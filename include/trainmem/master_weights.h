@@ -19,6 +19,8 @@
 ///   loss_fn(model->forward(x), y).backward();
 ///   masters->step(opt);                 // grads to fp32, step, weights from masters
 /// }
+/// // fp16 weights: the loss scaled, the masters' gradients unscaled.
+/// //   scaler.scale(loss).backward(); masters->step(opt, scaler);
 /// ```
 
 #include <vector>
@@ -34,6 +36,9 @@ class Optimizer;
 } // namespace torch::optim
 
 namespace trainmem {
+
+class GradScaler;
+
 
 /// fp32 masters of the bf16 and fp16 tensors among `trainable` (registered
 /// as this module's parameters, "master0", "master1"... by position, so a
@@ -54,11 +59,20 @@ class TRAINMEM_API MasterWeightsImpl : public torch::nn::Module {
   /// to bf16) and its gradient freed. A weight without a gradient keeps its
   /// master's gradient undefined (the optimizer skips it).
   void step(torch::optim::Optimizer& optimizer);
+  /// The same with a GradScaler (fp16 weights: DeepSpeed's fp16 mode,
+  /// apex's O2): the gradients converted, then `scaler.unscale_(optimizer)`
+  /// (on the masters' fp32 gradients), `scaler.step(optimizer)` (skipped on
+  /// inf/NaN) and `scaler.update()`, then the masters copied into the
+  /// weights and their gradients freed. Returns whether the optimizer
+  /// stepped.
+  bool step(torch::optim::Optimizer& optimizer, GradScaler& scaler);
 
  private:
   std::vector<at::Tensor> weights_;    // the low-precision trainable tensors
   std::vector<at::Tensor> masters_;    // their fp32 masters, same order
   std::vector<at::Tensor> optimized_;  // masters, and fp32 trainable tensors
+  void to_master_grads();
+  void from_masters();
 };
 TORCH_MODULE(MasterWeights);
 

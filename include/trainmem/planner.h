@@ -597,7 +597,10 @@ struct TRAINMEM_API RegionModel {
   /// step runs `loss.backward(); masters->step(opt)`: the masters (4 B per
   /// low-precision parameter) and the optimizer's fp32 state count in the
   /// planned peak, and the bf16 gradients are freed inside the step (Note
-  /// [bf16 weights with fp32 master weights]). Not with grad_scaler.
+  /// [bf16 weights with fp32 master weights]). With grad_scaler too (fp16
+  /// weights), `scaler.scale(loss).backward(); masters->step(opt, scaler)`:
+  /// the loss freed after backward, the scaler unscaling the masters'
+  /// gradients.
   bool master_weights = false;
 };
 
@@ -625,8 +628,8 @@ struct TRAINMEM_API RegionModel {
 /// [Planned steps with a scaler or master weights]); where that step has no
 /// meta path the plan throws, naming it, rather than report a composition
 /// without the scaler's or the masters' bytes. Throws if the model is empty,
-/// a callback is missing, the loss is not a scalar, master_weights is set
-/// without make_optimizer, with `optimizer`, or with grad_scaler.
+/// a callback is missing, the loss is not a scalar, or master_weights is set
+/// without make_optimizer or with `optimizer`.
 ///
 /// Example:
 /// ```

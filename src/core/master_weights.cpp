@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
+#include "trainmem/grad_scaler.h"
+
 namespace trainmem {
 
 MasterWeightsImpl::MasterWeightsImpl(const std::vector<at::Tensor>& trainable) {
@@ -26,22 +28,37 @@ MasterWeightsImpl::MasterWeightsImpl(const std::vector<at::Tensor>& trainable) {
   }
 }
 
-void MasterWeightsImpl::step(torch::optim::Optimizer& optimizer) {
-  {
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < weights_.size(); ++i) {
-      if (weights_[i].grad().defined()) {
-        masters_[i].mutable_grad() = weights_[i].grad().to(at::kFloat);
-        weights_[i].mutable_grad().reset();
-      }
+void MasterWeightsImpl::to_master_grads() {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < weights_.size(); ++i) {
+    if (weights_[i].grad().defined()) {
+      masters_[i].mutable_grad() = weights_[i].grad().to(at::kFloat);
+      weights_[i].mutable_grad().reset();
     }
   }
-  optimizer.step();
+}
+
+void MasterWeightsImpl::from_masters() {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < weights_.size(); ++i) {
     weights_[i].copy_(masters_[i]);
     masters_[i].mutable_grad().reset();
   }
+}
+
+void MasterWeightsImpl::step(torch::optim::Optimizer& optimizer) {
+  to_master_grads();
+  optimizer.step();
+  from_masters();
+}
+
+bool MasterWeightsImpl::step(torch::optim::Optimizer& optimizer, GradScaler& scaler) {
+  to_master_grads();
+  scaler.unscale_(optimizer);
+  const bool stepped = scaler.step(optimizer);
+  scaler.update();
+  from_masters();
+  return stepped;
 }
 
 } // namespace trainmem

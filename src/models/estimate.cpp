@@ -24,18 +24,19 @@ const char* precision_name(Precision precision) {
     case Precision::kFp16: return "fp16";
     case Precision::kFp16Autocast: return "fp16-autocast";
     case Precision::kBf16Master: return "bf16-master";
+    case Precision::kFp16Master: return "fp16-master";
   }
   return "?";
 }
 
 Precision parse_precision(const std::string& name) {
   for (auto p : {Precision::kFp32, Precision::kBf16Autocast, Precision::kBf16, Precision::kFp16,
-                 Precision::kFp16Autocast, Precision::kBf16Master}) {
+                 Precision::kFp16Autocast, Precision::kBf16Master, Precision::kFp16Master}) {
     if (name == precision_name(p)) {
       return p;
     }
   }
-  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16, fp16, fp16-autocast or bf16-master, but got \"", name,
+  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16, fp16, fp16-autocast, bf16-master or fp16-master, but got \"", name,
               "\"");
 }
 
@@ -95,6 +96,13 @@ std::string precision_assumption(Precision p, bool cuda) {
       return "precision bf16-master: the model and its gradients in bf16, AdamW over fp32 master copies of the "
              "bf16 weights (fp32 moments); after backward each bf16 gradient becomes its master's fp32 gradient "
              "and is freed, and after the step the masters are copied into the weights and their gradients freed "
+             "(Note [bf16 weights with fp32 master weights]; the step predicted as a function, its phases not "
+             "split); the loss in fp32";
+    case Precision::kFp16Master:
+      return "precision fp16-master: the model and its gradients in fp16, AdamW over fp32 master copies of the "
+             "fp16 weights (fp32 moments), the loss scaled by trainmem's GradScaler (its step taken); after "
+             "backward each fp16 gradient becomes its master's fp32 gradient and is freed, the scaler unscales "
+             "them and steps, and the masters are copied into the weights and their gradients freed "
              "(Note [bf16 weights with fp32 master weights]; the step predicted as a function, its phases not "
              "split); the loss in fp32";
   }
@@ -255,25 +263,36 @@ template <typename LossOn>
 void predict_master_steps(ModelEstimate& e, const HfModel& model, const std::vector<at::Tensor>& trainable,
                           const LossOn& loss_on) {
   MasterWeights masters(trainable);
-  const auto step_on = [&](c10::DeviceType device, torch::optim::Optimizer& opt) {
+  const bool fp16 = e.options.precision() == Precision::kFp16Master;
+  // fp16: the loss scaled, the masters' gradients unscaled, a scaler per
+  // device predicted (its tensors made where its step runs).
+  const auto step_on = [&](c10::DeviceType device, torch::optim::Optimizer& opt, GradScaler& scaler) {
     return [&, device] {
       for (auto& p : model.module->parameters()) {
         p.mutable_grad().reset();
       }
-      loss_on(device)().backward();
-      masters->step(opt);
+      if (fp16) {
+        scaler.scale(loss_on(device)()).backward();  // the loss and the scaled loss freed here
+        masters->step(opt, scaler);
+      } else {
+        loss_on(device)().backward();
+        masters->step(opt);
+      }
     };
   };
   {
     torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
-    const auto f = predict_step_function({model.module.get(), masters.get()}, {&opt}, step_on(c10::kCPU, opt));
+    GradScaler scaler;
+    const auto f =
+        predict_step_function({model.module.get(), masters.get()}, {&opt}, step_on(c10::kCPU, opt, scaler));
     e.step_phases_split = false;
     e.step_peak = function_peak(f, e.saved_bytes);
   }
   if (e.options.cuda()) {
     torch::optim::AdamW opt(masters->optimized(), torch::optim::AdamWOptions(1e-3));
-    e.cuda = predict_cuda_step_function({model.module.get(), masters.get()}, {&opt}, step_on(c10::kCUDA, opt),
-                                        *e.options.cuda());
+    GradScaler scaler;
+    e.cuda = predict_cuda_step_function({model.module.get(), masters.get()}, {&opt},
+                                        step_on(c10::kCUDA, opt, scaler), *e.options.cuda());
   }
 }
 
@@ -283,7 +302,7 @@ HfModel build_model(const HfConfig& config, const ModelEstimateOptions& options)
   HfModel model = build_hf_model(config);
   if (options.precision() == Precision::kBf16 || options.precision() == Precision::kBf16Master) {
     model.module->to(at::kBFloat16);  // as from_pretrained(torch_dtype=torch.bfloat16), before PEFT
-  } else if (options.precision() == Precision::kFp16) {
+  } else if (options.precision() == Precision::kFp16 || options.precision() == Precision::kFp16Master) {
     model.module->to(at::kHalf);
   }
   if (options.lora()) {
@@ -296,10 +315,10 @@ RegionModel model_regions(const HfModel& model, const ModelEstimateOptions& opti
   RegionModel m = hf_region_model(model, options.batch(), options.seq_len());
   // Note [Planned steps with a scaler or master weights]: the step's
   // backward and optimizer step as estimate_model runs them.
-  if (options.precision() == Precision::kBf16Master) {
+  if (options.precision() == Precision::kBf16Master || options.precision() == Precision::kFp16Master) {
     m.master_weights = true;
   }
-  if (options.precision() == Precision::kFp16Autocast) {
+  if (options.precision() == Precision::kFp16Autocast || options.precision() == Precision::kFp16Master) {
     m.grad_scaler = GradScalerOptions();
   }
   if (options.precision() != Precision::kBf16Autocast && options.precision() != Precision::kFp16Autocast) {
@@ -387,7 +406,7 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
     const auto tokens = at::empty({o.batch(), o.seq_len()}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
     return o.checkpoint() == "none" ? model.loss(tokens) : model.loss(tokens, plan);
   };
-  if (o.precision() == Precision::kBf16Master) {
+  if (o.precision() == Precision::kBf16Master || o.precision() == Precision::kFp16Master) {
     // The masters are a module beside the model and the optimizer steps
     // them, not the model: a step estimate() cannot be given.
     const LossOn loss_on = [&](c10::DeviceType) { return loss_fn; };
@@ -426,7 +445,8 @@ ModelEstimate estimate_model(const HfConfig& config, const ModelEstimateOptions&
   a.push_back(fmt::format("optimizer AdamW (two moments in the dtype of what it steps: {}); the step peak is one "
                           "rank's, unsharded{}",
                           o.lora() ? "fp32, the adapters'"
-                          : o.precision() == Precision::kBf16Master ? "fp32, the masters'"
+                          : o.precision() == Precision::kBf16Master || o.precision() == Precision::kFp16Master
+                              ? "fp32, the masters'"
                           : o.precision() == Precision::kBf16       ? "bf16"
                           : o.precision() == Precision::kFp16       ? "fp16"
                                                                     : "fp32",
@@ -465,6 +485,7 @@ std::string step_precision_assumption(Precision p, bool cuda) {
                              : "; the loss scaled by trainmem's GradScaler (its step taken; the step predicted as "
                                "a function, its phases not split: Note [fp16 autocast as a step function])");
     case Precision::kBf16Master:
+    case Precision::kFp16Master:
       break;
   }
   return "";
@@ -475,9 +496,10 @@ std::string step_precision_assumption(Precision p, bool cuda) {
 Estimate estimate(torch::nn::Module& module, const std::function<at::Tensor()>& loss_fn,
                   torch::optim::Optimizer& optimizer, const EstimateOptions& options) {
   const auto& o = options;
-  TORCH_CHECK(o.precision() != Precision::kBf16Master,
-              "estimate: expected precision fp32, bf16-autocast, bf16 or fp16-autocast, but got bf16-master "
-              "(fp32 master weights beside a bf16 model: estimate_model() predicts a config-file model's step "
+  TORCH_CHECK(o.precision() != Precision::kBf16Master && o.precision() != Precision::kFp16Master,
+              "estimate: expected precision fp32, bf16-autocast, bf16, fp16 or fp16-autocast, but got ",
+              precision_name(o.precision()),
+              " (fp32 master weights beside the model: estimate_model() predicts a config-file model's step "
               "with them)");
   TORCH_CHECK(o.accumulation() >= 1, "estimate: expected accumulation >= 1, but got ", o.accumulation());
   TORCH_CHECK(loss_fn, "estimate: expected a loss function, but got an empty one");

@@ -690,9 +690,6 @@ CheckpointPlan plan_regions(const RegionModel& model, const PlanOptions& options
               "plan_regions: RegionModel::loss is empty (it makes the scalar loss of the output)");
   TORCH_CHECK(model.optimizer == nullptr || !model.make_optimizer,
               "plan_regions: give RegionModel::optimizer or make_optimizer, not both");
-  TORCH_CHECK(!(model.master_weights && model.grad_scaler),
-              "plan_regions: RegionModel::master_weights with grad_scaler is not planned (the scaler would "
-              "unscale the masters' gradients, which exist only inside MasterWeights::step); give one of them");
   TORCH_CHECK(!model.master_weights || (model.optimizer == nullptr && static_cast<bool>(model.make_optimizer)),
               "plan_regions: RegionModel::master_weights needs make_optimizer (called with the masters' "
               "optimized() tensors), not an optimizer over the model's own parameters");

@@ -47,16 +47,15 @@ namespace trainmem::detail {
 //   the loss alone, so the last region's output is freed before backward
 //   where the loss keeps none of it. The fp16 step keeps
 //   the loss to its end and frees the scaled loss after backward; the
-//   master step frees the loss after backward: estimate_model's steps
+//   master step frees the loss after backward, with or without a scaler
+//   (fp16 weights: MasterWeights::step with the scaler unscaling the
+//   masters' gradients): estimate_model's steps
 //   (Note [fp16 autocast as a step function]), so `plan --model` and
 //   `estimate --model` predict the same step.
 // plan_regions_cuda predicts the same step on CUDA
 // (predict_cuda_step_function). Where the whole step has no meta path, the
 // plan throws rather than report a composition without these bytes.
 RecipeStep::RecipeStep(const RegionModel& model, const std::vector<at::Tensor>& params, const char* who) {
-  TORCH_CHECK(!(model.master_weights && model.grad_scaler), who,
-              ": RegionModel::master_weights with grad_scaler is not planned (the scaler would unscale the "
-              "masters' gradients, which exist only inside MasterWeights::step); give one of them");
   if (model.grad_scaler) {
     scaler_.emplace(*model.grad_scaler);
   }
@@ -103,6 +102,9 @@ void RecipeStep::run(const std::vector<torch::nn::Module*>& modules, const std::
     at(StepPoint::kBackward);
     scaled.backward();
     scaled.reset();
+    if (masters_) {
+      loss.reset();  // fp16 masters: the loss freed after backward, as the bf16 master step frees it
+    }
   } else {
     at(StepPoint::kBackward);
     loss.backward();
@@ -114,7 +116,9 @@ void RecipeStep::run(const std::vector<torch::nn::Module*>& modules, const std::
 }
 
 void RecipeStep::optimizer_step() {
-  if (scaler_) {
+  if (scaler_ && masters_) {
+    (void)(*masters_)->step(*opt_, *scaler_);
+  } else if (scaler_) {
     scaler_->unscale_(*opt_);
     scaler_->step(*opt_);
     scaler_->update();

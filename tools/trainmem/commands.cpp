@@ -74,9 +74,9 @@ void add_training_flags(CLI::App& sub, AuditFlags& f) {
       ->capture_default_str();
   sub.add_option("--precision", f.precision,
                  "fp32, bf16-autocast, bf16, fp16-autocast (with a GradScaler), fp16 (a model held in fp16: "
-                 "estimate --model only) or bf16-master (a bf16 model with fp32 master weights: estimate --model "
-                 "only)")
-      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master"}))
+                 "estimate --model only), bf16-master or fp16-master (a bf16 or fp16 model with fp32 master "
+                 "weights, fp16 with a GradScaler: estimate --model only)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master", "fp16-master"}))
       ->capture_default_str();
   sub.add_option("--accumulate", f.accumulate, "micro-batches per step (gradient accumulation)")
       ->check(int_in(1, kMaxBatch))
@@ -168,7 +168,7 @@ void check_memory_fits(const AuditFlags& f) {
   }
 }
 
-// bf16-master and fp16 are predicted for config-file models only (estimate
+// bf16-master, fp16-master and fp16 are predicted for config-file models only (estimate
 // --model).
 void refuse_master_weights(const AuditFlags& f, const char* command) {
   if (f.precision == "fp16") {
@@ -177,11 +177,11 @@ void refuse_master_weights(const AuditFlags& f, const char* command) {
                                  "model held in fp16",
                                  command));
   }
-  if (f.precision == "bf16-master") {
-    throw UsageError(fmt::format("--precision bf16-master with {}: the bundled transformer's trainer keeps no fp32 "
-                                 "master weights; `trainmem estimate --model FILE --precision bf16-master` "
+  if (f.precision == "bf16-master" || f.precision == "fp16-master") {
+    throw UsageError(fmt::format("--precision {0} with {1}: the bundled transformer's trainer keeps no fp32 "
+                                 "master weights; `trainmem estimate --model FILE --precision {0}` "
                                  "predicts a config-file model's step with them",
-                                 command));
+                                 f.precision, command));
   }
 }
 

@@ -322,6 +322,8 @@ std::string plan_assumes(const ModelEstimateOptions& o) {
     recipe = " (loss scaled by a GradScaler, its tensors counted)";
   } else if (o.precision() == Precision::kBf16Master) {
     recipe = " (bf16 weights and gradients, AdamW over fp32 master weights)";
+  } else if (o.precision() == Precision::kFp16Master) {
+    recipe = " (fp16 weights and gradients, AdamW over fp32 master weights, loss scaled by a GradScaler)";
   }
   return fmt::format("{}{}{}, AdamW", precision_name(o.precision()), recipe, lora);
 }
@@ -555,7 +557,9 @@ void print_plan_model(const std::string& path, const HfConfig& config, const Mod
                        static_cast<double>(whole->peak_bytes);
     const char* how = o.precision() == Precision::kFp16Autocast ? "one AdamW step with a GradScaler at scale 1"
                       : o.precision() == Precision::kBf16Master   ? "one AdamW step over fp32 master weights"
-                                                                  : "one AdamW step";
+                      : o.precision() == Precision::kFp16Master
+                          ? "one AdamW step over fp32 master weights with a GradScaler at scale 1"
+                          : "one AdamW step";
     std::cout << fmt::format("\nran it on CPU ({} after a warm-up step)\n"
                              "  step peak: predicted {} B, measured {} B ({:+.2f} %); {}\n"
                              "  saved for backward: predicted {} B, measured {} B\n",
@@ -600,7 +604,8 @@ StepPeak measure_recipe_step(const HfModel& model, const RegionModel& m, const B
   std::optional<MasterWeights> masters;
   if (m.grad_scaler) {
     scaler.emplace(GradScalerOptions(*m.grad_scaler).init_scale(1.0));
-  } else {
+  }
+  if (m.master_weights) {
     masters.emplace(trainable);
   }
   auto opt = adamw_of_all(masters ? (*masters)->optimized() : trainable);
@@ -629,13 +634,18 @@ StepPeak measure_recipe_step(const HfModel& model, const RegionModel& m, const B
     window.emplace(tracker);
     if (scaler) {
       scaler->scale(loss).backward();  // the scaled loss freed here, the loss kept to the end
+      if (masters) {
+        loss.reset();  // but for the masters' step (the planned step: RecipeStep::run)
+      }
     } else {
       loss.backward();
       loss.reset();
     }
     peaks[1] = window->peak_bytes();
     window.emplace(tracker);
-    if (scaler) {
+    if (scaler && masters) {
+      steps_taken += (*masters)->step(*opt, *scaler) ? 1 : 0;
+    } else if (scaler) {
       scaler->unscale_(*opt);
       steps_taken += scaler->step(*opt) ? 1 : 0;
       scaler->update();

@@ -291,8 +291,9 @@ void add_plan_command(CLI::App& app) {
   sub->add_flag("--run", f->run_model, "with --model: also build it on CPU and run one step under the plan");
   sub->add_option("--precision", f->precision,
                   "with --model: fp32, bf16-autocast, bf16 (a model held in bf16), fp16 (a model held in fp16), "
-                  "fp16-autocast (with a GradScaler) or bf16-master (bf16 weights, fp32 master weights)")
-      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master"}))
+                  "fp16-autocast (with a GradScaler), bf16-master or fp16-master (bf16 or fp16 weights, fp32 "
+                  "master weights; fp16 with a GradScaler)")
+      ->check(CLI::IsMember({"fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master", "fp16-master"}))
       ->capture_default_str();
   add_lora_flags(*sub, f->lora);
   add_gpu_flag(*sub, f->gpu);

@@ -54,9 +54,14 @@ enum class Precision {
   /// the bf16 weights (ZeRO's mixed-precision recipe, 2 + 2 + 12 B per
   /// parameter): Note [bf16 weights with fp32 master weights].
   kBf16Master,
+  /// The model and its gradients in fp16, AdamW over fp32 masters, the loss
+  /// scaled by a GradScaler that unscales the masters' gradients
+  /// (DeepSpeed's fp16 mode, apex's O2; 2 + 2 + 12 B per parameter).
+  kFp16Master,
 };
 
-/// "fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master".
+/// "fp32", "bf16-autocast", "bf16", "fp16", "fp16-autocast", "bf16-master",
+/// "fp16-master".
 TRAINMEM_API const char* precision_name(Precision precision);
 /// Parses a precision_name(). Throws c10::Error naming `name` otherwise.
 TRAINMEM_API Precision parse_precision(const std::string& name);
@@ -77,7 +82,8 @@ struct EstimateOptions {
   /// LibTorch's autocast (run_under_autocast: the CPU's policy for the CPU
   /// figures, CUDA's for the CUDA ones), kFp16Autocast with trainmem's
   /// GradScaler, its step taken (Note [fp16 autocast as a step function]).
-  /// kBf16Master needs fp32 master weights: estimate_model() predicts it.
+  /// kBf16Master and kFp16Master need fp32 master weights: estimate_model()
+  /// predicts them.
   TORCH_ARG(Precision, precision) = Precision::kFp32;
   /// Micro-batches per step: `loss_fn` runs this many times, each loss
   /// divided by it before its backward, then one optimizer step. Above 1 the
@@ -125,7 +131,7 @@ struct Estimate {
 /// backward, `optimizer`'s step, as `options` asks. `optimizer` steps
 /// `module`'s parameters (or some of them); its state, the module's
 /// gradients and buffers are as they were afterwards (Note [Predictions
-/// leave no trace]). Throws c10::Error naming the value for kBf16Master, an
+/// leave no trace]). Throws c10::Error naming the value for kBf16Master or kFp16Master, an
 /// accumulation below 1, or a parameter not on meta.
 ///
 /// Example:
@@ -198,7 +204,7 @@ struct ModelEstimate {
 
 /// The model `config` describes, built on the current device (on meta under a
 /// MetaInitGuard, else on CPU and initialized) as `options` asks: cast to
-/// bf16 for Precision::kBf16 and kBf16Master, to fp16 for kFp16, then given LoRA adapters when asked (as
+/// bf16 for Precision::kBf16 and kBf16Master, to fp16 for kFp16 and kFp16Master, then given LoRA adapters when asked (as
 /// from_pretrained in bf16, then get_peft_model). Its loss and forward are
 /// HfModel's; the autocast of kBf16Autocast is the caller's to open
 /// (run_under_autocast), as in a user's loop.
@@ -209,7 +215,8 @@ TRAINMEM_API HfModel build_model(const HfConfig& config, const ModelEstimateOpti
 /// autocast in bf16 (kBf16Autocast) or fp16 (kFp16Autocast) for
 /// `autocast_device` (kCPU for plan_regions and a CPU run, kCUDA for
 /// plan_regions_cuda); with RegionModel::grad_scaler set (default options)
-/// for kFp16Autocast and RegionModel::master_weights for kBf16Master, so the
+/// for kFp16Autocast and RegionModel::master_weights for kBf16Master (both
+/// for kFp16Master), so the
 /// planned step is estimate_model()'s (its make_optimizer is the caller's
 /// to set). Throws as hf_region_model().
 TRAINMEM_API RegionModel model_regions(const HfModel& model, const ModelEstimateOptions& options,
