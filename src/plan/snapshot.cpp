@@ -149,10 +149,11 @@ int64_t size_before(const Request& r, bool large, uint64_t segment_end,
 // a snapshot lists each run of mapped pages as a segment (is_expandable).
 // Those mapped when recording began are the final runs less what the trace
 // mapped, plus what it unmapped: walked back from the end, a segment_map's
-// pages come off and a segment_unmap's go back. A trace event belongs to the
-// space of its stream whose pool its size allows (a large map is whole large
-// pages; a small one, 2 MiB pages) and whose lowest known address is the
-// highest at or below it. Each space is seeded from its lowest known address
+// pages come off and a segment_unmap's go back. The allocator reserves one
+// space per stream and pool, large enough for every page of the device, so a
+// trace event belongs to the space of its stream and of the pool its size
+// allows (a large map is whole large pages; a small one, 2 MiB pages). Each
+// space is seeded from its lowest known address
 // (the allocator maps pages from the front, so it is the space's base unless
 // pages there were unmapped before recording), its runs mapped then holding
 // the blocks live then, each its request rounded (an expandable segment
@@ -193,35 +194,26 @@ struct ExpandableSpace {
 };
 
 std::vector<ExpandableSpace> expandable_at_start(const Snapshot& snap, int64_t large_page) {
-  std::vector<ExpandableSpace> spaces;
-  const auto space_of = [&](bool large, int64_t stream, uint64_t a) -> ExpandableSpace& {
-    ExpandableSpace* best = nullptr;
-    for (auto& sp : spaces) {
-      if (sp.large != large || sp.stream != stream) continue;
-      if (best == nullptr || (sp.lowest <= a && (best->lowest > a || sp.lowest > best->lowest)) ||
-          (best->lowest > a && sp.lowest < best->lowest)) {
-        best = &sp;
-      }
-    }
-    if (best != nullptr) return *best;
-    auto& sp = spaces.emplace_back();
+  std::map<std::pair<bool, int64_t>, ExpandableSpace> spaces;  // by (large pool, stream)
+  const auto space_of = [&](bool large, int64_t stream) -> ExpandableSpace& {
+    auto& sp = spaces[{large, stream}];
     sp.large = large;
     sp.stream = stream;
     return sp;
   };
   for (const auto& sg : snap.segments) {
     if (sg.expandable) {
-      space_of(sg.segment_type != "small", sg.stream, sg.address)
+      space_of(sg.segment_type != "small", sg.stream)
           .add(sg.address, sg.address + static_cast<uint64_t>(sg.total_bytes));
     }
   }
-  if (spaces.empty()) return spaces;
+  std::vector<ExpandableSpace> out;
+  if (spaces.empty()) return out;  // no expandable segments at the end: none before recording either
+  const bool any_large = std::any_of(spaces.begin(), spaces.end(), [](const auto& kv) { return kv.first.first; });
   for (size_t i = snap.traces.size(); i-- > 0;) {
     const auto& e = snap.traces[i];
     if (e.action != "segment_map" && e.action != "segment_unmap") continue;
-    const bool large = e.size_bytes % large_page == 0 &&
-                       std::any_of(spaces.begin(), spaces.end(), [&](const auto& sp) { return sp.large; });
-    auto& sp = space_of(large, e.stream, e.addr);
+    auto& sp = space_of(any_large && e.size_bytes % large_page == 0, e.stream);
     const uint64_t to = e.addr + static_cast<uint64_t>(e.size_bytes);
     if (e.action == "segment_map") {
       sp.remove(e.addr, to);
@@ -229,7 +221,8 @@ std::vector<ExpandableSpace> expandable_at_start(const Snapshot& snap, int64_t l
       sp.add(e.addr, to);
     }
   }
-  return spaces;
+  for (auto& [key, sp] : spaces) out.push_back(std::move(sp));
+  return out;
 }
 
 // Seeds each space's runs mapped when recording began (Note [Expandable
@@ -237,9 +230,9 @@ std::vector<ExpandableSpace> expandable_at_start(const Snapshot& snap, int64_t l
 // them, marking those `placed`. Returns the bytes of the runs it could not
 // seed (blocks overlapping, or runs not whole pages from the base).
 int64_t seed_expandable(const Snapshot& snap, const std::vector<Request>& before,
-                     const std::unordered_map<uint64_t, int64_t>& final_size,
-                     const std::map<uint64_t, int64_t>& first_alloc, CudaCachingAllocatorModel& m,
-                     std::unordered_map<uint64_t, uint64_t>& addr, std::vector<bool>& placed) {
+                        const std::unordered_map<uint64_t, int64_t>& final_size,
+                        const std::map<uint64_t, int64_t>& first_alloc, CudaCachingAllocatorModel& m,
+                        std::unordered_map<uint64_t, uint64_t>& addr, std::vector<bool>& placed) {
   int64_t unseeded = 0;
   for (const auto& sp : expandable_at_start(snap, m.config().large_segment_bytes())) {
     if (sp.mapped.empty()) continue;
