@@ -338,6 +338,40 @@ TEST(CudaAllocatorModelTest, AddsSegmentsAtGivenAddresses) {
   EXPECT_THROW(cuda.add_segment(0x80000000, 2 << 20, false, 0, {{0x80000000, 1 << 20, 0, false}}), c10::Error);
 }
 
+// An expandable segment whose first 20 MiB page was mapped before the model
+// started (add_expandable_segment), an 8 MiB block live in it: 16 MiB more
+// take the free 12 MiB left in that page and one more page mapped right
+// after it (find_expandable_block takes the free block before the unmapped
+// space), so the block starts at base + 8 MiB and the run grows to 40 MiB.
+// Runs not whole pages from the base are refused, named.
+TEST(CudaAllocatorModelTest, AddsExpandableSegmentsMappedBefore) {
+  CudaCachingAllocatorModel m(CudaAllocatorConfig::parse("expandable_segments:True"));
+  const uint64_t base = uint64_t{1} << 36;
+  m.add_expandable_segment(base, /*large_pool=*/true, 0,
+                           {{{base, 8 * MiB, 8 * MiB, true}, {base + 8 * MiB, 12 * MiB, 0, false}}});
+  EXPECT_EQ(m.stats().reserved_bytes, 20 * MiB);
+  EXPECT_EQ(m.stats().allocated_bytes, 8 * MiB);
+  EXPECT_TRUE(m.is_allocated(base));
+  EXPECT_EQ(m.malloc(16 * MiB), base + 8 * MiB);
+  EXPECT_EQ(m.stats().num_device_allocs, 1);
+  EXPECT_EQ(m.stats().reserved_bytes, 40 * MiB);
+  const auto segs = m.segments();
+  ASSERT_EQ(segs.size(), 1u);
+  EXPECT_TRUE(segs[0].expandable);
+  EXPECT_EQ(segs[0].total_bytes, 40 * MiB);
+  m.free(base);
+  EXPECT_FALSE(m.is_allocated(base));
+  CudaCachingAllocatorModel other(CudaAllocatorConfig::parse("expandable_segments:True"));
+  try {
+    other.add_expandable_segment(base, true, 0, {{{base + MiB, 20 * MiB, 0, false}}});
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("is not whole pages of 20971520 B from the segment's base"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
 // Found by fuzzing (make fuzz): an expandable segment reserves address space
 // for 1 1/8 of the device; a request larger than that ran off its end (a
 // null block, SIGSEGV). It is out of memory, as on a GPU.

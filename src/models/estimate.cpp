@@ -36,8 +36,9 @@ Precision parse_precision(const std::string& name) {
       return p;
     }
   }
-  TORCH_CHECK(false, "expected precision fp32, bf16-autocast, bf16, fp16, fp16-autocast, bf16-master or fp16-master, but got \"", name,
-              "\"");
+  TORCH_CHECK(false,
+              "expected precision fp32, bf16-autocast, bf16, fp16, fp16-autocast, bf16-master or fp16-master, "
+              "but got \"", name, "\"");
 }
 
 at::Tensor run_under_autocast(c10::DeviceType device, at::ScalarType dtype, const std::function<at::Tensor()>& fn) {

@@ -204,7 +204,8 @@ struct ModelEstimate {
 
 /// The model `config` describes, built on the current device (on meta under a
 /// MetaInitGuard, else on CPU and initialized) as `options` asks: cast to
-/// bf16 for Precision::kBf16 and kBf16Master, to fp16 for kFp16 and kFp16Master, then given LoRA adapters when asked (as
+/// bf16 for Precision::kBf16 and kBf16Master, to fp16 for kFp16 and
+/// kFp16Master, then given LoRA adapters when asked (as
 /// from_pretrained in bf16, then get_peft_model). Its loss and forward are
 /// HfModel's; the autocast of kBf16Autocast is the caller's to open
 /// (run_under_autocast), as in a user's loop.
