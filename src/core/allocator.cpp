@@ -103,6 +103,10 @@ struct RecorderSlot {
   // When the baseline began; set before baseline_on, so a free can skip the
   // lock for the blocks made since (most of them).
   std::atomic<int64_t> baseline_ns{0};
+  // A time taken just after the baseline read the live bytes (under `mutex`):
+  // a free whose clock read came before it may have come before that read
+  // too (Note [A recorder's baseline]).
+  int64_t counted_ns = 0;
   std::vector<uint64_t> baseline_excluded;  // recorders live when the baseline began: their blocks are theirs
   std::vector<detail::AllocRecorder::BaselineFree> baseline_frees;
 
@@ -188,8 +192,8 @@ void to_baselines(uint64_t tag, int64_t bytes, int64_t alloc_ns, int64_t time_ns
     }
     try {
       std::lock_guard<SlotLock> lock(r.mutex);
-      if (!r.in_baseline(tag, alloc_ns)) {
-        continue;
+      if (!r.in_baseline(tag, alloc_ns) || time_ns < r.counted_ns) {
+        continue;  // not its block, or freed perhaps before the baseline counted it
       }
       r.baseline -= bytes;
       if (r.logging && static_cast<int64_t>(r.baseline_frees.size()) < std::max<int64_t>(r.max_events, 1)) {
@@ -267,22 +271,23 @@ void counting_delete(void* data) {
   int64_t size = 0;
   std::memcpy(&size, block, sizeof(size));
   auto& c = counters();
-  const int64_t now = c.allocated.fetch_sub(size, std::memory_order_relaxed) - size;
-  c.num_frees.fetch_add(1, std::memory_order_relaxed);
-  log_event(c, -size, now, data);
   const uint64_t tag = std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(block + kTagOffset)).load();
   int64_t alloc_ns = 0;
   std::memcpy(&alloc_ns, block + kTimeOffset, sizeof(alloc_ns));
-  const bool baselines = g_num_baselines.load(std::memory_order_relaxed) > 0 &&
-      alloc_ns < g_latest_baseline_ns.load(std::memory_order_relaxed);
-  if (tag != 0 || baselines) {
-    const int64_t t = now_since(c);  // one clock read for both
-    if (tag != 0) {
-      to_recorder(tag, -size, t, data, block);
-    }
-    if (baselines) {
-      to_baselines(tag, size, alloc_ns, t, data);
-    }
+  // Read before the count drops (Note [A recorder's baseline]): a baseline
+  // that began after this clock read counts the block or not, and takes
+  // nothing for it either way.
+  const bool baselines = g_num_baselines.load(std::memory_order_acquire) > 0 &&
+      alloc_ns < g_latest_baseline_ns.load(std::memory_order_acquire);
+  const int64_t t = tag != 0 || baselines ? now_since(c) : 0;  // one clock read for both
+  const int64_t now = c.allocated.fetch_sub(size, std::memory_order_seq_cst) - size;
+  c.num_frees.fetch_add(1, std::memory_order_relaxed);
+  log_event(c, -size, now, data);
+  if (tag != 0) {
+    to_recorder(tag, -size, t, data, block);
+  }
+  if (baselines) {
+    to_baselines(tag, size, alloc_ns, t, data);
   }
   base_allocator->raw_deallocate(block);
 }
@@ -294,15 +299,17 @@ class CountingAllocator final : public c10::Allocator {
     const auto size = static_cast<int64_t>(n);
     std::memcpy(block, &size, sizeof(size));
     const uint64_t tag = tls_recorder_tag;
-    const int64_t t = now_since(counters());
     new (static_cast<char*>(block) + kTagOffset) uint64_t(tag);
-    std::memcpy(static_cast<char*>(block) + kTimeOffset, &t, sizeof(t));
     const uint64_t epoch = g_epoch.load(std::memory_order_relaxed);
     std::memcpy(static_cast<char*>(block) + kEpochOffset, &epoch, sizeof(epoch));
     std::memcpy(static_cast<char*>(block) + kSeqOffset, &kNotLogged, sizeof(kNotLogged));
     void* data = static_cast<char*>(block) + kHeader;
     auto& c = counters();
-    const int64_t now = c.allocated.fetch_add(size, std::memory_order_relaxed) + size;
+    const int64_t now = c.allocated.fetch_add(size, std::memory_order_seq_cst) + size;
+    // Stamped after the count rose (Note [A recorder's baseline]): a block
+    // made before a baseline began is in the bytes it counted.
+    const int64_t t = now_since(c);
+    std::memcpy(static_cast<char*>(block) + kTimeOffset, &t, sizeof(t));
     c.num_allocs.fetch_add(1, std::memory_order_relaxed);
     atomic_max(c.peak, now);
     for (uint64_t open = c.open_windows.load(std::memory_order_relaxed); open != 0; open &= open - 1) {
@@ -440,6 +447,7 @@ AllocRecorder::AllocRecorder(int64_t max_events) : slot_(-1), tag_(0) {
       slots[i].baseline_on.store(false);
       slots[i].baseline = 0;
       slots[i].baseline_ns = 0;
+      slots[i].counted_ns = 0;
       slots[i].baseline_frees.clear();
       slots[i].baseline_excluded.clear();
       slots[i].tag.store(tag_);
@@ -553,9 +561,13 @@ int64_t AllocRecorder::begin_baseline() {
   auto& r = slots[slot_];
   std::lock_guard<SlotLock> lock(r.mutex);
   auto& c = counters();
+  // Note [A recorder's baseline]: the time a block must be made before to be
+  // in the baseline, then the live bytes, then the time a free must come after
+  // to be taken from it.
   r.baseline_ns.store(now_since(c));
+  r.baseline = c.allocated.load(std::memory_order_seq_cst) - r.live - theirs;
+  r.counted_ns = now_since(c);
   atomic_max(g_latest_baseline_ns, r.baseline_ns.load());
-  r.baseline = c.allocated.load() - r.live - theirs;
   r.baseline_excluded = std::move(excluded);
   r.window_peak = std::max(r.window_peak, r.live + r.baseline);
   if (!r.baseline_on.exchange(true)) {
