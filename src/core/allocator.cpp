@@ -277,10 +277,10 @@ void counting_delete(void* data) {
   // Read before the count drops (Note [A recorder's baseline]): a baseline
   // that began after this clock read counts the block or not, and takes
   // nothing for it either way.
-  const bool baselines = g_num_baselines.load(std::memory_order_acquire) > 0 &&
-      alloc_ns < g_latest_baseline_ns.load(std::memory_order_acquire);
+  const bool baselines = g_num_baselines.load(std::memory_order_relaxed) > 0 &&
+      alloc_ns < g_latest_baseline_ns.load(std::memory_order_relaxed);
   const int64_t t = tag != 0 || baselines ? now_since(c) : 0;  // one clock read for both
-  const int64_t now = c.allocated.fetch_sub(size, std::memory_order_seq_cst) - size;
+  const int64_t now = c.allocated.fetch_sub(size, std::memory_order_relaxed) - size;
   c.num_frees.fetch_add(1, std::memory_order_relaxed);
   log_event(c, -size, now, data);
   if (tag != 0) {
@@ -305,7 +305,7 @@ class CountingAllocator final : public c10::Allocator {
     std::memcpy(static_cast<char*>(block) + kSeqOffset, &kNotLogged, sizeof(kNotLogged));
     void* data = static_cast<char*>(block) + kHeader;
     auto& c = counters();
-    const int64_t now = c.allocated.fetch_add(size, std::memory_order_seq_cst) + size;
+    const int64_t now = c.allocated.fetch_add(size, std::memory_order_relaxed) + size;
     // Stamped after the count rose (Note [A recorder's baseline]): a block
     // made before a baseline began is in the bytes it counted.
     const int64_t t = now_since(c);
