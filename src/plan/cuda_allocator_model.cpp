@@ -1,5 +1,6 @@
 // The model of the CUDA caching allocator (Note [A model of the CUDA caching
-// allocator]) and replay(); its config is read in cuda_allocator_config.cpp.
+// allocator]); its config is read in cuda_allocator_config.cpp, a trace is
+// replayed through it in cuda_replay.cpp.
 #include "trainmem/cuda_allocator_model.h"
 
 #include <algorithm>
@@ -865,45 +866,6 @@ int64_t CudaCachingAllocatorModel::round_size(int64_t bytes) const {
 }
 int64_t CudaCachingAllocatorModel::allocation_size(int64_t rounded_bytes) const {
   return impl_->allocation_size(rounded_bytes);
-}
-
-CudaReplay replay(const std::vector<AllocationEvent>& events, CudaCachingAllocatorModel& model) {
-  model.reset_peak();
-  CudaReplay r;
-  r.peak_allocated_bytes = model.stats().allocated_bytes;
-  r.peak_reserved_bytes = model.stats().reserved_bytes;
-  r.slack_at_peak_reserved_bytes = model.stats().reserved_bytes - model.stats().allocated_bytes;
-  std::unordered_map<uint64_t, uint64_t> address_of;  // trace id -> model address
-  for (size_t i = 0; i < events.size(); ++i) {
-    const auto& e = events[i];
-    if (e.bytes > 0) {
-      const uint64_t a = model.malloc(e.bytes, e.stream);
-      if (a != 0) {
-        address_of[e.id] = a;
-      }
-    } else if (e.bytes < 0) {
-      auto it = address_of.find(e.id);
-      if (it == address_of.end()) {
-        continue;
-      }
-      model.free(it->second);
-      address_of.erase(it);
-    }
-    const auto s = model.stats();
-    if (s.allocated_bytes > r.peak_allocated_bytes) {
-      r.peak_allocated_bytes = s.allocated_bytes;
-      r.peak_event = static_cast<int64_t>(i);
-    }
-    if (s.reserved_bytes > r.peak_reserved_bytes) {
-      r.peak_reserved_bytes = s.reserved_bytes;
-      r.slack_at_peak_reserved_bytes = s.reserved_bytes - s.allocated_bytes;
-    }
-  }
-  r.stats = model.stats();
-  r.fragmentation = r.peak_reserved_bytes > 0
-      ? 1.0 - static_cast<double>(r.peak_allocated_bytes) / static_cast<double>(r.peak_reserved_bytes)
-      : 0.0;
-  return r;
 }
 
 } // namespace trainmem
