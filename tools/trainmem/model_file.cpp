@@ -481,15 +481,17 @@ HfModel build_plan_model(const HfConfig& config, const ModelEstimateOptions& o, 
 // region's loss head casts (a bf16 model's, or autocast's, fp32 logits)
 // that composition was found up to 3.6 % under the step run on CPU, and a
 // plan chosen by it went over its budget. So the chosen plan's whole step
-// is run on meta (predict_step_peak, exact against the CPU), and while it
+// is run on meta (predict_step_peak, exact against the CPU; or taken from
+// plan_regions where it weighed the plan by it already), and while it
 // is over the budget the planner's budget is lowered by the excess and the
 // plan made again (at most 4 rounds). The plan fits when its whole step
 // does; both figures are printed.
 CheckedPlan plan_checked_by_whole_step(const RegionModel& m, const HfModel& on_meta, const ModelEstimateOptions& o,
                                        int64_t budget, bool selective) {
   const auto whole_step = [&](const CheckpointPlan& p) {
-    if (has_recipe(m)) {
-      // plan_regions weighed it by its whole step with the scaler or masters.
+    if (p.whole_step_rounds > 0) {
+      // plan_regions weighed it by its whole step already: with the scaler or
+      // masters, or where regions carry tensors (a LLaMA's rotary tables).
       StepPeak w;
       w.peak_bytes = p.predicted_peak_bytes;
       w.phase = p.peak_phase;
